@@ -1,0 +1,124 @@
+"""Suite-wide configuration: markers, options, hypothesis profiles, the ``impl`` fixture.
+
+Markers: every test carries one of ``cpu`` / ``gpu`` / ``gpu32`` / ``bench``; an unmarked test is a
+usage error. ``gpu`` and ``gpu32`` tests are skipped (with the reason) where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from fixtures.impl_loader import load_impl, resolve_impl_name
+
+REQUIRED_MARKERS = ("cpu", "gpu", "gpu32", "bench")
+MARKERS = {
+    "cpu": "runs on a CPU-only host (gloo)",
+    "gpu": "needs CUDA (NCCL under torchrun with --nproc)",
+    "gpu32": "a full-size 32-rank run on the real checkpoint (DSV4_FLASH_CHECKPOINT)",
+    "slow": "takes more than a few seconds",
+    "bench": "a benchmark that prints figures; never asserts on time",
+    "multirank": "spawns several ranks through fixtures.multirank",
+}
+
+settings.register_profile(
+    "dev", max_examples=20, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "ci",
+    max_examples=50,
+    deadline=None,
+    print_blob=True,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough", max_examples=500, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("dsv4", "DeepSeek-V4 LoRA conformance")
+    group.addoption("--nproc", type=int, default=None, help="ranks for distributed tests (default 2 on CPU)")
+    group.addoption("--impl", default=None, help="implementation module under test (default: impl, or $DSV4_IMPL)")
+    group.addoption("--max-examples", type=int, default=None, help="override the profile's max_examples")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, doc in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+    # hypothesis' own --hypothesis-profile wins; otherwise $HYPOTHESIS_PROFILE, else dev.
+    profile = config.getoption("hypothesis_profile", None) or os.environ.get("HYPOTHESIS_PROFILE") or "dev"
+    settings.load_profile(profile)
+    max_examples = config.getoption("max_examples")
+    if max_examples is not None:
+        settings.register_profile("dsv4-override", settings(settings.get_profile(profile), max_examples=max_examples))
+        settings.load_profile("dsv4-override")
+    config.dsv4_profile = profile
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    import importlib.metadata as md
+
+    def version(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "absent"
+
+    env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("DSV4_", "HYPOTHESIS_")))
+    return [
+        f"dsv4: impl={resolve_impl_name(config.getoption('impl'))} nproc={nproc_of(config)} "
+        f"hypothesis-profile={config.dsv4_profile} max_examples={settings.default.max_examples}",
+        "dsv4: "
+        + " ".join(
+            f"{d}={version(d)}"
+            for d in ("torch", "megatron-core", "megatron-bridge", "transformers", "peft", "safetensors")
+        ),
+        f"dsv4: env {' '.join(env) if env else '(no DSV4_*/HYPOTHESIS_* variables)'}",
+    ]
+
+
+def nproc_of(config: pytest.Config) -> int:
+    value = config.getoption("nproc")
+    if value is not None:
+        return value
+    return int(os.environ.get("DSV4_NPROC", "2"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # torch missing or broken: no CUDA either way
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(m) for m in REQUIRED_MARKERS)]
+    if unmarked:
+        raise pytest.UsageError(
+            "tests without one of the markers " + ", ".join(REQUIRED_MARKERS) + ":\n  " + "\n  ".join(unmarked)
+        )
+    if not _cuda_available():
+        skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this host")
+        for item in items:
+            if item.get_closest_marker("gpu") or item.get_closest_marker("gpu32"):
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def impl(pytestconfig: pytest.Config):
+    """The implementation under test, resolved once from --impl / $DSV4_IMPL."""
+    return load_impl(resolve_impl_name(pytestconfig.getoption("impl")))
+
+
+@pytest.fixture(scope="session")
+def nproc(pytestconfig: pytest.Config) -> int:
+    return nproc_of(pytestconfig)
+
+

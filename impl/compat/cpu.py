@@ -1,0 +1,40 @@
+"""CPU replacements for the CUDA-only calls megatron-core makes unconditionally.
+
+megatron-core 0.19.2 hard-codes ``torch.cuda.current_device()`` (rotary cache, global memory
+buffer) and the CUDA RNG tracker (``model_parallel_cuda_manual_seed``, attention dropout).
+Without CUDA these raise; the replacements route them to the CPU generator. They are installed
+only when ``torch.cuda.is_available()`` is False, so a GPU node runs megatron-core untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INSTALLED = False
+
+
+def install_if_no_cuda(cuda_available: bool | None = None) -> bool:
+    """Install the CPU shims when CUDA is unavailable. Returns True when they are (now) active."""
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        return False
+    import megatron.core.tensor_parallel.random as mrandom
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    # torch.manual_seed calls manual_seed_all; it must not recurse into the CPU generator.
+    torch.cuda.manual_seed_all = lambda seed: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    _INSTALLED = True
+    return True
+
+
+def is_installed() -> bool:
+    return _INSTALLED

@@ -1,0 +1,99 @@
+"""Import-only stand-in for ``transformer_engine`` on hosts where it cannot be installed.
+
+Megatron-Bridge imports ``transformer_engine.pytorch`` unconditionally (``peft/lora_layers.py``)
+and uses ``te.ops.Sequential`` in class annotations, so attribute access must work at import time.
+Instantiating or calling anything raises :class:`TransformerEngineStubError`, so no code path can
+silently run on a fake. The stub is never installed when the real package imports.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+STUB_VERSION = "0.0.0"
+
+
+class TransformerEngineStubError(RuntimeError):
+    """A CPU import stub of transformer_engine was used as if it were the real package."""
+
+
+class _PlaceholderMeta(type):
+    def __getattr__(cls, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        value = _placeholder(f"{cls.__module__}.{cls.__qualname__}.{attr}")
+        setattr(cls, attr, value)
+        return value
+
+    def __call__(cls, *args, **kwargs):
+        raise TransformerEngineStubError(
+            f"{cls.__module__}.{cls.__qualname__} was used, but transformer_engine is only an import stub on "
+            "this CPU host; use a local (non-TE) layer spec, or run on a GPU node with Transformer Engine installed"
+        )
+
+
+def _placeholder(qualname: str) -> type:
+    module, _, name = qualname.rpartition(".")
+    return _PlaceholderMeta(name, (object,), {"__module__": module, "__qualname__": name})
+
+
+class _StubModule(types.ModuleType):
+    __te_stub__ = True
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        value = _placeholder(f"{self.__name__}.{attr}")
+        setattr(self, attr, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "transformer_engine" or fullname.startswith("transformer_engine."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        module.__version__ = STUB_VERSION
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def real_te_available() -> bool:
+    """True when a real transformer_engine can be found (the stub itself does not count)."""
+    if is_installed():
+        return False
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def is_installed() -> bool:
+    return any(isinstance(f, _StubFinder) for f in sys.meta_path)
+
+
+def install_if_absent() -> bool:
+    """Install the stub unless real TE exists. Returns True when the stub is (now) active."""
+    if is_installed():
+        return True
+    if real_te_available():
+        return False
+    sys.meta_path.insert(0, _StubFinder())
+    return True
+
+
+def uninstall() -> None:
+    """Remove the stub and any stub modules (used by tests that simulate a real TE)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _StubFinder)]
+    for name in [n for n, m in sys.modules.items() if getattr(m, "__te_stub__", False)]:
+        del sys.modules[name]
