@@ -120,5 +120,3 @@ def impl(pytestconfig: pytest.Config):
 @pytest.fixture(scope="session")
 def nproc(pytestconfig: pytest.Config) -> int:
     return nproc_of(pytestconfig)
-
-

@@ -1,0 +1,65 @@
+"""Typed errors. Every error this package raises on bad input subclasses :class:`Dsv4Error`,
+names the offending object, and says what to do next."""
+
+from __future__ import annotations
+
+__all__ = [
+    "Dsv4Error",
+    "NotDeepseekV4Error",
+    "UnsupportedConfigError",
+    "MultiLoRAUnsupportedError",
+    "ConversionOnlyBridgeError",
+    "CheckpointMappingError",
+    "QuantizationError",
+    "TargetError",
+    "GroupedLoRAError",
+    "ExportError",
+    "PipelineLayoutError",
+]
+
+
+class Dsv4Error(Exception):
+    """Base class of every typed error raised by ``impl``."""
+
+
+class NotDeepseekV4Error(Dsv4Error, ValueError):
+    """A config was routed to the V4 path but is not exactly ``DeepseekV4ForCausalLM``."""
+
+
+class UnsupportedConfigError(Dsv4Error, ValueError):
+    """A V4 config or parallel layout this implementation cannot build (named in the message)."""
+
+
+class MultiLoRAUnsupportedError(Dsv4Error, NotImplementedError):
+    """Multi-LoRA on the native DeepSeek-V4 graph is not supported."""
+
+
+class ConversionOnlyBridgeError(Dsv4Error, RuntimeError):
+    """The V4 bridge converts weights only; models are built by the native provider."""
+
+
+class CheckpointMappingError(Dsv4Error, KeyError):
+    """Strict load/export found unmapped, missing, duplicated or mis-shaped tensors (all listed)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class QuantizationError(Dsv4Error, ValueError):
+    """A quantized tensor or its ``.scale`` companion is malformed (tensor named)."""
+
+
+class TargetError(Dsv4Error, ValueError):
+    """A LoRA target or exclusion matches no module, or is ambiguous."""
+
+
+class GroupedLoRAError(Dsv4Error, RuntimeError):
+    """A grouped ``wo_a`` weight, input or adapter output has the wrong group layout."""
+
+
+class ExportError(Dsv4Error, RuntimeError):
+    """Adapter export failed (on one or more ranks); nothing was published."""
+
+
+class PipelineLayoutError(Dsv4Error, ValueError):
+    """A pipeline layout is impossible for this model (named stage and reason)."""

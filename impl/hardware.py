@@ -1,0 +1,45 @@
+"""Hardware gates for DeepSeek-V4 fused-kernel defaults (Megatron-Bridge #4338 / #4445 behaviour).
+
+Fused mHC and fused DSA kernels exist only for Blackwell (CUDA capability major >= 10). Without
+CUDA the answer is False (0.5.0 returned True there, which made CPU and H100 runs pick kernels they
+cannot execute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLACKWELL_MAJOR = 10
+
+
+def _capability_major() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()[0]
+
+
+def deepseek_v4_supports_blackwell_fused_kernels() -> bool:
+    """True only with CUDA capability major >= 10; False without CUDA."""
+    major = _capability_major()
+    return major is not None and major >= BLACKWELL_MAJOR
+
+
+def deepseek_v4_supports_fused_dsa_kernels() -> bool:
+    """The DSA (indexer/sparse attention) fused kernels follow the same gate."""
+    return deepseek_v4_supports_blackwell_fused_kernels()
+
+
+@dataclass(frozen=True)
+class FusedKernelDefaults:
+    use_fused_mhc: bool
+    apply_dsa_kernel_fusion: bool
+
+
+def fused_kernel_defaults() -> FusedKernelDefaults:
+    """Defaults a V4 recipe should use on this host."""
+    return FusedKernelDefaults(
+        use_fused_mhc=deepseek_v4_supports_blackwell_fused_kernels(),
+        apply_dsa_kernel_fusion=deepseek_v4_supports_fused_dsa_kernels(),
+    )

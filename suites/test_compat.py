@@ -1,0 +1,144 @@
+"""The CPU compatibility layer: active exactly where the real thing is missing, and loud when misused."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from fixtures.subproc import REPO_ROOT, run_python
+
+pytestmark = pytest.mark.cpu
+
+# Loads one compat module by path, bypassing impl/__init__ (which would install everything).
+_LOAD = textwrap.dedent(
+    """
+    import importlib.util, sys
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, r"{root}/impl/compat/" + name + ".py")
+        mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod); return mod
+    """
+).format(root=REPO_ROOT)
+
+
+def test_stub_is_active_without_real_transformer_engine(impl):
+    import transformer_engine
+
+    assert impl.compat_report().te_stub is True
+    assert getattr(transformer_engine, "__te_stub__", False) is True
+
+
+def test_stubbed_transformer_engine_class_raises_clear_error(impl):
+    import transformer_engine.pytorch as te
+
+    with pytest.raises(impl.TransformerEngineStubError, match=r"transformer_engine\.pytorch\.Linear.*import stub"):
+        te.Linear(4, 4)
+    with pytest.raises(impl.TransformerEngineStubError, match="local"):
+        te.ops.Sequential()
+
+
+def test_stub_is_not_installed_when_real_transformer_engine_exists(tmp_path):
+    """Simulated availability: a real (non-stub) transformer_engine on sys.path wins."""
+    pkg = tmp_path / "transformer_engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("__version__ = '2.20.2'\nREAL = True\n")
+    out = run_python(
+        _LOAD
+        + textwrap.dedent(
+            f"""
+            sys.path.insert(0, r"{tmp_path}")
+            te_stub = load("te_stub")
+            assert te_stub.install_if_absent() is False
+            import transformer_engine
+            assert transformer_engine.REAL and not getattr(transformer_engine, "__te_stub__", False)
+            print("real-te-kept")
+            """
+        ),
+        timeout=60,
+    )
+    assert "real-te-kept" in out.stdout
+
+
+def test_cpu_shims_are_inactive_when_cuda_is_available():
+    """Simulated CUDA: torch.cuda's functions must stay untouched."""
+    out = run_python(
+        _LOAD
+        + textwrap.dedent(
+            """
+            import torch
+            before = (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state)
+            cpu = load("cpu")
+            assert cpu.install_if_no_cuda(cuda_available=True) is False
+            assert (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state) == before
+            print("cuda-untouched")
+            """
+        ),
+        timeout=60,
+    )
+    assert "cuda-untouched" in out.stdout
+
+
+def test_cpu_shims_are_active_here_and_seed_megatron_rng(impl):
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    assert impl.compat_report().cpu_shims is (not torch.cuda.is_available())
+    assert torch.cuda.current_device() == torch.device("cpu")
+    tracker = get_cuda_rng_tracker()
+    assert tracker is not None
+
+
+def test_mla_fix_is_skipped_when_upstream_accepts_k_channels():
+    """Simulated upstream fix: a DotProductAttention that already takes k_channels is left alone."""
+    out = run_python(
+        _LOAD
+        + textwrap.dedent(
+            """
+            from megatron.core.transformer.dot_product_attention import DotProductAttention
+            original = DotProductAttention.__init__
+            def __init__(self, *a, k_channels=None, v_channels=None, **k):
+                original(self, *a, **k)
+            DotProductAttention.__init__ = __init__
+            mla = load("mla")
+            assert mla.install_if_needed() is False
+            assert DotProductAttention.__init__ is __init__
+            print("upstream-kept")
+            """
+        ),
+        timeout=120,
+    )
+    assert "upstream-kept" in out.stdout
+
+
+def test_local_spec_mla_attention_runs_forward_and_backward(impl, tmp_path):
+    """Regression: without the fix, MLASelfAttention on the local spec raises TypeError(k_channels)."""
+    out = run_python(
+        textwrap.dedent(
+            f"""
+            import impl, torch, torch.nn.functional as F
+            import torch.distributed as dist
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+            from megatron.core.transformer.transformer_config import MLATransformerConfig
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+            from megatron.core.models.gpt import GPTModel
+            dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
+            parallel_state.initialize_model_parallel(1, 1)
+            model_parallel_cuda_manual_seed(1)
+            cfg = MLATransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, q_lora_rank=16,
+                kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="rope",
+                qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+                params_dtype=torch.float32, gated_linear_unit=True, activation_func=F.silu, ffn_hidden_size=64)
+            m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True),
+                vocab_size=64, max_sequence_length=16)
+            ids = torch.randint(0, 64, (2, 8))
+            mask = torch.triu(torch.ones(1, 1, 8, 8, dtype=torch.bool), diagonal=1)
+            out = m(ids, torch.arange(8).expand(2, 8), mask)
+            out.float().sum().backward()
+            assert torch.isfinite(out).all()
+            print("mla-ok", tuple(out.shape))
+            """
+        ),
+        timeout=180,
+    )
+    assert "mla-ok (2, 8, 64)" in out.stdout
