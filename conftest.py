@@ -13,6 +13,8 @@ from hypothesis import HealthCheck, settings
 
 from fixtures.impl_loader import load_impl, resolve_impl_name
 
+pytest_plugins = ["fixtures.checkpoints"]
+
 REQUIRED_MARKERS = ("cpu", "gpu", "gpu32", "bench")
 MARKERS = {
     "cpu": "runs on a CPU-only host (gloo)",
@@ -48,6 +50,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Under -n 2 on a 2-core host each worker owns one core; torch's default threading oversubscribes it
+    # (measured 3-4x slower). DSV4_TORCH_THREADS overrides.
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("DSV4_TORCH_THREADS", "1")))
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     # hypothesis' own --hypothesis-profile wins; otherwise $HYPOTHESIS_PROFILE, else dev.
