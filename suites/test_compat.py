@@ -66,10 +66,10 @@ def test_cpu_shims_are_inactive_when_cuda_is_available():
         + textwrap.dedent(
             """
             import torch
-            before = (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state)
+            before = (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state, torch.cuda.Stream)
             cpu = load("cpu")
             assert cpu.install_if_no_cuda(cuda_available=True) is False
-            assert (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state) == before
+            assert (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state, torch.cuda.Stream) == before
             print("cuda-untouched")
             """
         ),

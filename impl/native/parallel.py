@@ -1,0 +1,77 @@
+"""Megatron-Core parallel-layer plumbing shared by the native V4 modules.
+
+Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` read a ``ModelParallelConfig``; the native
+modules read :class:`~impl.native.config.V4Config`. :func:`megatron_parallel_config` bridges the two with
+CPU-safe settings (CPU initialization, no fused kernels, no sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from impl.native.config import V4Config
+
+__all__ = ["DEFAULT_INIT_STD", "megatron_parallel_config", "normal_init", "resolve_tp_group"]
+
+DEFAULT_INIT_STD = 0.02
+
+
+def normal_init(std: float = DEFAULT_INIT_STD) -> Callable[[torch.Tensor], None]:
+    """An ``init_method`` for Megatron parallel layers (applied to the full master weight on CPU)."""
+
+    def init_(tensor: torch.Tensor) -> None:
+        torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init_
+
+
+def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, size, rank)`` of the tensor-parallel group: the given one, else Megatron's, else none (size 1)."""
+    if tp_group is None and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    if tp_group is None or not dist.is_initialized():
+        return None, 1, 0
+    return tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def megatron_parallel_config(
+    cfg: V4Config,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    perform_initialization: bool = True,
+) -> ModelParallelConfig:
+    """A Megatron config for the parallel linears inside the native V4 graph (CPU-safe).
+
+    It is a ``TransformerConfig`` (a ``ModelParallelConfig`` subclass) because Megatron's DDP and
+    Megatron-Bridge's ``get_model`` read transformer-level fields from ``model.config``.
+    """
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.moe_intermediate_size,
+        num_moe_experts=cfg.n_routed_experts,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        sequence_parallel=False,
+        use_cpu_initialization=True,
+        perform_initialization=perform_initialization,
+        params_dtype=params_dtype,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+    )
