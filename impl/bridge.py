@@ -1,0 +1,523 @@
+"""Conversion-only Megatron-Bridge bridge for the native DeepSeek-V4 graph: strict load and export.
+
+Every mapping object is a real Megatron-Bridge ``MegatronParamMapping`` built from :data:`impl.mapping.MAPPING_TABLE`,
+so TP scatter/gather, EP gather and PP broadcast are Megatron-Bridge's own code.
+
+Registration and dispatch (Megatron-Bridge 0.6.2, ``models/decorators/dispatch.py``): ``register_bridge`` keys
+``get_model_bridge`` on the *source only* and the three stream dispatchers on the ``(source, target)`` tuple. The
+dispatcher table is a dict, so a second registration with the same source string *replaces* the first
+``get_model_bridge`` entry (last import wins), while tuples with different targets coexist. Upstream
+``DeepSeekV4Bridge`` (0.5.0+) registers ``("DeepseekV4ForCausalLM", GPTModel)``; we register
+``("DeepseekV4ForCausalLM", DeepseekV4NativeModel)`` for the stream dispatchers and then *restore* the upstream
+``get_model_bridge`` entry, because that one has no model argument and ``AutoBridge`` uses it to build GPTModel
+providers (our ``provider_bridge`` refuses). So per pin:
+
+* 0.6.2 (and 0.5.x): ``get_model_bridge("DeepseekV4ForCausalLM")`` -> upstream ``DeepSeekV4Bridge``;
+  ``stream_*_megatron_to_hf(("DeepseekV4ForCausalLM", DeepseekV4NativeModel), ...)`` -> ours;
+  ``(..., GPTModel)`` -> upstream.
+* pins without an upstream V4 bridge (< 0.5.0): ``get_model_bridge`` -> ours as well (nothing to preserve).
+
+Strict load: every checkpoint tensor is loaded, or declared not loaded with a reason (``.scale`` companions consumed
+by dequantization; ``mtp.*`` when the model has no MTP layer); every native parameter and persistent buffer is
+filled; anything else raises one :class:`~impl.errors.CheckpointMappingError` listing all offenders. Validation
+reads safetensors headers only and agrees across ranks before any collective, so a bad checkpoint never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.bridge.models.conversion import model_bridge as _mb
+from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+from megatron.bridge.models.conversion.param_mapping import (
+    AutoMapping,
+    ColumnParallelMapping,
+    GatedMLPMapping,
+    MegatronParamMapping,
+    ReplicatedMapping,
+    RowParallelMapping,
+)
+from megatron.bridge.models.conversion.quantization_utils import maybe_dequantize_hf_quantized_weight
+from megatron.bridge.models.conversion.utils import persistent_buffers
+from megatron.core import parallel_state
+from safetensors import safe_open
+from torch import nn
+
+from impl.errors import CheckpointMappingError, ConversionOnlyBridgeError, QuantizationError
+from impl.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
+
+__all__ = [
+    "MAPPING_CLASSES",
+    "SOURCE",
+    "DeepseekV4ConversionBridge",
+    "LoadReport",
+    "build_v4_mappings",
+    "export_official_state",
+    "load_official_checkpoint",
+    "mapping_for_row",
+    "register",
+]
+
+SOURCE = "DeepseekV4ForCausalLM"
+
+MAPPING_CLASSES: dict[str, type[MegatronParamMapping]] = {
+    "replicated": ReplicatedMapping,
+    "column": ColumnParallelMapping,
+    "vocab": ColumnParallelMapping,
+    "row": RowParallelMapping,
+    "auto": AutoMapping,
+    "gated_mlp": GatedMLPMapping,
+    "replicated_gated_mlp": GatedMLPMapping,  # TP group cleared in mapping_for_row
+    "expert_gated_mlp": GatedMLPMapping,
+    "expert_row": RowParallelMapping,
+}
+
+
+def mapping_for_row(row: MappingRow) -> MegatronParamMapping:
+    """The Megatron-Bridge mapping object (still holding ``*``) for one table row."""
+    cls = MAPPING_CLASSES[row.semantics]
+    if not row.is_gated:
+        return cls(row.native, row.official)
+    return _untp(row, cls(row.native, gate=row.official[0], up=row.official[1]))
+
+
+def _untp(row: MappingRow, mapping: MegatronParamMapping) -> MegatronParamMapping:
+    if row.semantics == "replicated_gated_mlp":
+        # The native shared expert is a plain replicated module: no TP group means tp_size 1 (concat / split only).
+        mapping._tp_group = None
+    return mapping
+
+
+def _resolved(row: MappingRow, native_name: str) -> MegatronParamMapping:
+    """The row's mapping with wildcards filled (``resolve`` builds a fresh object, so re-apply ``_untp``)."""
+    return _untp(row, mapping_for_row(row).resolve(normalize(native_name)[1]))
+
+
+def build_v4_mappings() -> list[MegatronParamMapping]:
+    """One Megatron-Bridge mapping per table row, in table order."""
+    return [mapping_for_row(row) for row in MAPPING_TABLE]
+
+
+class DeepseekV4ConversionBridge(MegatronModelBridge):
+    """Weights only: official DeepSeek-V4 safetensors <-> :class:`DeepseekV4NativeModel` chunks."""
+
+    def provider_bridge(self, hf_pretrained: Any) -> Any:
+        raise ConversionOnlyBridgeError(
+            "DeepseekV4ConversionBridge is conversion-only: it maps weights, it does not build models. "
+            "Build the native model with impl.provider (the native provider), then load with "
+            "impl.load_official_checkpoint."
+        )
+
+    def mapping_registry(self) -> MegatronMappingRegistry:
+        # V4 rows first: lookups are first-match-wins, and the generic DeepSeek list gives some of the same native
+        # names (router, experts, norms, embedding) a V3 (``model.layers.*.mlp.gate``) meaning.
+        from megatron.bridge.models.deepseek.common import get_common_mapping_list
+
+        return MegatronMappingRegistry(*build_v4_mappings(), *get_common_mapping_list())
+
+    def maybe_modify_loaded_hf_weight(self, hf_param: str | dict[str, str], hf_state_dict: Mapping[str, Any]) -> Any:
+        return maybe_dequantize_hf_quantized_weight(hf_param, hf_state_dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# registration
+
+
+def _native_model_class() -> type:
+    from impl.native.model import DeepseekV4NativeModel
+
+    return DeepseekV4NativeModel
+
+
+def register() -> bool:
+    """Register with Megatron-Bridge's dispatch (idempotent); see the module docstring for what wins where.
+
+    Returns False (nothing registered) while the native model class cannot be imported.
+    """
+    try:
+        target = _native_model_class()
+    except ImportError:
+        return False
+    exact = _mb.get_model_bridge._exact_types
+    previous = exact.get(SOURCE)
+    ours_before = getattr(previous, "__name__", "") == f"_bridge_with_{DeepseekV4ConversionBridge.__name__}"
+    _mb.register_bridge_implementation(source=SOURCE, target=target, bridge_class=DeepseekV4ConversionBridge)
+    DeepseekV4ConversionBridge.SOURCE_NAME = SOURCE
+    DeepseekV4ConversionBridge.MODEL_TYPE = "deepseek_v4"
+    if previous is not None and not ours_before:
+        exact[SOURCE] = previous  # keep upstream serving AutoBridge / GPTModel
+        _mb.get_model_bridge._dispatch_cache.clear()
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# native side: global names, owners
+
+
+@dataclass(frozen=True)
+class _NativeTensor:
+    chunk: int
+    local: str
+    name: str  # global (PP layer offset and EP expert offset applied)
+    tensor: torch.Tensor
+    module: nn.Module
+    n_experts: int | None  # total routed experts, for EP export
+
+
+def _unwrap(chunk: nn.Module) -> nn.Module:
+    while hasattr(chunk, "module") and isinstance(chunk.module, nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def _native_tensors(chunks: list[nn.Module]) -> list[_NativeTensor]:
+    out: list[_NativeTensor] = []
+    for ci, chunk in enumerate(chunks):
+        model = _unwrap(chunk)
+        named = [(n, p) for n, p in model.named_parameters() if "_extra_state" not in n]
+        named += [(n, b) for n, b in persistent_buffers(model) if "_extra_state" not in n]
+        for local, tensor in named:
+            owner_name = local.rpartition(".")[0]
+            module = model.get_submodule(owner_name) if owner_name else model
+            name, n_experts = _globalize(model, local)
+            out.append(_NativeTensor(ci, local, name, tensor, module, n_experts))
+    return out
+
+
+def _globalize(model: nn.Module, local: str) -> tuple[str, int | None]:
+    parts = local.split(".")
+    n_experts = None
+    # PP: a decoder layer knows its global 0-based ``layer_number``.
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isdigit():
+        layer = model.get_submodule(".".join(parts[:3]))
+        parts[2] = str(getattr(layer, "layer_number", parts[2]))
+    # EP: ``local_experts.{e}`` -> global ``offset + e``; the MoE module knows its EP size.
+    if "local_experts" in parts:
+        i = parts.index("local_experts")
+        experts = model.get_submodule(".".join(parts[:i]))
+        moe = model.get_submodule(".".join(parts[: i - 1])) if i > 1 else model
+        ep = int(getattr(moe, "ep_size", 0) or _ep_size())
+        n_local = int(getattr(experts, "num_local_experts", len(getattr(experts, "local_experts", []))))
+        n_experts = n_local * ep
+        parts[i + 1] = str(int(getattr(experts, "local_expert_offset", 0)) + int(parts[i + 1]))
+    return ".".join(parts), n_experts
+
+
+def _ep_size() -> int:
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_expert_model_parallel_world_size()
+    return 1
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoint side: headers and lazy tensors
+
+
+@dataclass(frozen=True)
+class _Header:
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _read_headers(ckpt_dir: Path) -> tuple[dict[str, _Header], dict[str, list[str]]]:
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointMappingError(f"no *.safetensors files in {ckpt_dir}; point at an official V4 checkpoint dir")
+    headers: dict[str, _Header] = {}
+    seen: dict[str, list[str]] = {}
+    for f in files:
+        # The JSON header itself: it also reveals a name written twice within one file.
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            raw = json.loads(fh.read(n), object_pairs_hook=lambda kv: kv)
+        for name, meta in raw:
+            if name == "__metadata__":
+                continue
+            meta = dict(meta)  # object_pairs_hook keeps every JSON object as a list of pairs
+            seen.setdefault(name, []).append(f.name)
+            headers[name] = _Header(f.name, tuple(meta["shape"]), meta["dtype"])
+    dups = {n: fs for n, fs in seen.items() if len(fs) > 1}
+    return headers, dups
+
+
+class _LazyState(Mapping[str, torch.Tensor]):
+    """Read-on-demand view of the checkpoint tensors (what the dequantizer indexes into)."""
+
+    def __init__(self, ckpt_dir: Path, headers: dict[str, _Header]):
+        self._dir = ckpt_dir
+        self._headers = headers
+        self._handles: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        h = self._headers[name]
+        if h.file not in self._handles:
+            self._handles[h.file] = safe_open(str(self._dir / h.file), framework="pt")
+        return self._handles[h.file].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._headers)
+
+    def __len__(self) -> int:
+        return len(self._headers)
+
+
+# --------------------------------------------------------------------------------------------------
+# strict load
+
+
+@dataclass
+class LoadReport:
+    """What a strict load did: per-checkpoint-tensor outcome and totals."""
+
+    loaded: list[str] = field(default_factory=list)  # checkpoint tensors consumed (on any rank)
+    declared_not_loaded: dict[str, str] = field(default_factory=dict)  # name -> reason
+    unmapped: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    native_filled: list[str] = field(default_factory=list)  # this rank's native (global) names
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return {
+            "loaded": len(self.loaded),
+            "declared_not_loaded": len(self.declared_not_loaded),
+            "unmapped": len(self.unmapped),
+            "missing": len(self.missing),
+            "native_filled": len(self.native_filled),
+        }
+
+    def __str__(self) -> str:
+        return "LoadReport(" + ", ".join(f"{k}={v}" for k, v in self.totals.items()) + ")"
+
+
+def _effective_shape(name: str, headers: dict[str, _Header]) -> tuple[int, ...]:
+    """Logical shape of an official weight; MXFP4 (int8 + ``.scale``) packs two values per byte."""
+    h = headers[name]
+    if h.dtype == "I8" and len(h.shape) == 2:  # a missing scale is reported by _quantization_problems
+        return (h.shape[0], h.shape[1] * 2)
+    return h.shape
+
+
+_SCALE_DTYPES = ("F8_E8M0", "F32")  # UE8M0 (instruct) or F32 (*-Base) block scales, v4_architecture.md §3.3
+_PLAIN_DTYPES = ("F32", "BF16", "F16", "I64", "I32")
+_FP8_BLOCK, _MXFP4_BLOCK = 128, 32
+_QUANT_PREFIXES = ("unscaled ", "bad scale ", "bad quantized weight ")
+
+
+def _quantization_problems(name: str, headers: dict[str, _Header]) -> list[str]:
+    """Header-only checks of one consumed weight and its ``.scale`` companion (Megatron-Bridge's dequantizer
+    silently casts an FP8 weight without a scale, and ignores a scale next to an unquantized weight)."""
+    h = headers[name]
+    scale = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+    sh = headers.get(scale) if scale else None
+    fix = (
+        "re-quantize it (FP8 E4M3 + 128x128 scales, or MXFP4 int8 + [out, in/32] UE8M0 scales) or store it unquantized"
+    )
+    if h.dtype in ("F8_E4M3", "I8"):
+        if sh is None:
+            return [f"unscaled {name}: {h.dtype} weight {h.shape} has no {scale} companion; {fix}"]
+        if len(h.shape) != 2:
+            return [f"bad quantized weight {name}: {h.dtype} needs 2 dims, got {h.shape}; {fix}"]
+        out_dim, in_dim = h.shape
+        if h.dtype == "F8_E4M3":
+            want = (-(-out_dim // _FP8_BLOCK), -(-in_dim // _FP8_BLOCK))
+        else:  # MXFP4: two e2m1 values per byte, one scale per 32 inputs
+            in_dim *= 2
+            if in_dim % _MXFP4_BLOCK:
+                return [f"bad quantized weight {name}: MXFP4 input dim {in_dim} is not a multiple of 32; {fix}"]
+            want = (out_dim, in_dim // _MXFP4_BLOCK)
+        problems = []
+        if sh.dtype not in _SCALE_DTYPES:
+            problems.append(f"bad scale {scale}: dtype {sh.dtype}, expected one of {_SCALE_DTYPES}; {fix}")
+        if sh.shape != want:
+            problems.append(f"bad scale {scale}: shape {sh.shape}, expected {want} for {h.dtype} {name} {h.shape}")
+        return problems
+    if h.dtype not in _PLAIN_DTYPES:
+        return [f"bad quantized weight {name}: dtype {h.dtype} is not supported; {fix}"]
+    if sh is not None:
+        return [f"bad scale {scale}: companion of unquantized {h.dtype} weight {name} (it would be ignored)"]
+    return []
+
+
+def _tp_size_of(mapping: MegatronParamMapping) -> int:
+    try:
+        return mapping.tp_size
+    except Exception:  # no group snapshot (single process): unsharded
+        return 1
+
+
+def _expected_official_shapes(nt: _NativeTensor, row: MappingRow, mapping: MegatronParamMapping) -> list[tuple]:
+    local = tuple(nt.tensor.shape)
+    tp = _tp_size_of(mapping)
+    sem = row.semantics
+    if sem == "auto":
+        sem = {"column": "column", "row": "row"}.get(mapping._detect_parallelism_type(nt.module), "replicated")
+    if sem in ("column", "vocab"):
+        return [(local[0] * tp, *local[1:])]
+    if sem in ("row", "expert_row"):
+        return [local] if len(local) == 1 else [(local[0], local[1] * tp, *local[2:])]
+    if sem in ("gated_mlp", "replicated_gated_mlp", "expert_gated_mlp"):
+        return [(local[0] * tp // 2, *local[1:])] * 2
+    return [local]
+
+
+def _shape_ok(row: MappingRow, expected: tuple, got: tuple, local: tuple) -> bool:
+    if row.semantics == "vocab" and len(got) == len(expected) and got[1:] == expected[1:]:
+        # the native vocab may be padded to a TP-divisible size (ColumnParallelMapping pads on load)
+        return expected[0] - local[0] < got[0] <= expected[0]
+    return expected == got
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir: str | Path) -> LoadReport:
+    """Strictly load an official-layout V4 checkpoint into native model chunks (collective over all ranks)."""
+    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+    ckpt = Path(ckpt_dir)
+    headers, dups = _read_headers(ckpt)
+    natives = _native_tensors(chunks)
+
+    offenders: list[str] = []
+    plan: list[tuple[_NativeTensor, MegatronParamMapping, MappingRow]] = []
+    consumed: set[str] = set()
+    native_names: list[str] = []
+    for nt in natives:
+        native_names.append(nt.name)
+        hit = lookup_native(nt.name)
+        if hit is None:
+            offenders.append(f"unmapped native tensor {nt.name} {tuple(nt.tensor.shape)}: no row in impl.mapping")
+            continue
+        mapping = _resolved(hit.row, nt.name)
+        expected = _expected_official_shapes(nt, hit.row, mapping)
+        ok = True
+        for off, exp in zip(hit.official, expected, strict=True):
+            if off not in headers:
+                offenders.append(f"missing {off}: expected shape {exp}, needed by native {nt.name}")
+                ok = False
+                continue
+            got = _effective_shape(off, headers)
+            if not _shape_ok(hit.row, exp, got, tuple(nt.tensor.shape)):
+                offenders.append(f"mis-shaped {off}: expected shape {exp}, got {got} (native {nt.name})")
+                ok = False
+            consumed.add(off)
+            quant = _quantization_problems(off, headers)
+            offenders += quant
+            ok = ok and not quant
+            scale = off[: -len(".weight")] + ".scale" if off.endswith(".weight") else None
+            if scale in headers:
+                consumed.add(scale)
+        if ok:
+            plan.append((nt, mapping, hit.row))
+
+    # Agree across ranks before any collective: which tensors some rank consumed, and every offender.
+    gathered = _all_gather((sorted(consumed), offenders, any(n.startswith("mtp.") for n in native_names)))
+    all_consumed = set().union(*(set(g[0]) for g in gathered))
+    all_offenders = list(dict.fromkeys(o for g in gathered for o in g[1]))
+    model_has_mtp = any(g[2] for g in gathered)
+
+    report = LoadReport(native_filled=native_names)
+    for name in headers:
+        base = scale_base(name)
+        if name in all_consumed:
+            if base is not None and base in all_consumed:
+                report.declared_not_loaded[name] = f"block scale consumed by dequantizing {base}"
+            else:
+                report.loaded.append(name)
+        elif name.startswith("mtp.") and not model_has_mtp:
+            report.declared_not_loaded[name] = "model built without MTP layers"
+        else:
+            hit = lookup_official(name) or (lookup_official(base) if base else None)
+            why = "no row in impl.mapping" if hit is None else f"no native tensor {hit.native} in this model"
+            report.unmapped.append(name)
+            all_offenders.append(f"unmapped checkpoint tensor {name} {headers[name].shape}: {why}")
+    for name, files in sorted(dups.items()):
+        all_offenders.append(f"duplicated checkpoint tensor {name}: present {len(files)} times in {files}")
+    report.missing = [o.split()[1] for o in all_offenders if o.startswith("missing ")]
+    if all_offenders:
+        quant_only = all(o.startswith(_QUANT_PREFIXES) for o in all_offenders)
+        err = (QuantizationError if quant_only else CheckpointMappingError)(
+            f"checkpoint {ckpt} does not match the native DeepSeek-V4 model ({len(all_offenders)} offenders); "
+            "fix the checkpoint or build the model from its config.json:\n  " + "\n  ".join(all_offenders)
+        )
+        err.offenders = all_offenders
+        err.report = report
+        raise err
+
+    state = _LazyState(ckpt, headers)
+    with torch.no_grad():
+        for nt, mapping, _row in plan:
+            hf = maybe_dequantize_hf_quantized_weight(mapping.hf_param, state, dtype=nt.tensor.dtype)
+            converted = mapping.hf_to_megatron(hf, nt.module)
+            if converted.shape != nt.tensor.shape:  # defensive: validation should make this unreachable
+                raise CheckpointMappingError(
+                    f"mis-shaped {mapping.hf_param}: native {nt.name} expects {tuple(nt.tensor.shape)}, "
+                    f"conversion produced {tuple(converted.shape)}"
+                )
+            nt.tensor.copy_(converted)
+    return report
+
+
+# --------------------------------------------------------------------------------------------------
+# export
+
+
+def _pp_group_and_size() -> tuple[Any, int]:
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        return (
+            parallel_state.get_pipeline_model_parallel_group(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+    return None, 1
+
+
+def export_official_state(model_chunks: nn.Module | list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Full official-layout state (every rank gets every tensor): TP gathered, EP gathered, PP broadcast."""
+    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+    natives = _native_tensors(chunks)
+    by_name = {nt.name: nt for nt in natives}
+    order = [nt.name for nt in natives]
+    group, pp = _pp_group_and_size()
+    if pp > 1:
+        lists: list[Any] = [None] * pp
+        dist.all_gather_object(lists, order, group=group)
+        order = list(dict.fromkeys(n for lst in lists for n in lst))
+    unmapped = [n for n in order if lookup_native(n) is None]
+    if unmapped:
+        raise CheckpointMappingError(
+            f"{len(unmapped)} native tensors have no row in impl.mapping and cannot be exported: " + ", ".join(unmapped)
+        )
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name in order:
+            hit = lookup_native(name)
+            mapping = _resolved(hit.row, name)
+            nt = by_name.get(name)
+            weights = nt.tensor.detach() if nt is not None else None
+            module: Any = nt.module if nt is not None else None
+            if nt is not None and hit.row.is_expert:
+                # Megatron-Bridge's EP gather reads num_moe_experts from the module's config.
+                module = SimpleNamespace(config=SimpleNamespace(num_moe_experts=nt.n_experts), _parameters={})
+            for off, tensor in mapping.megatron_to_hf(weights, module).items():
+                if off in out:
+                    raise CheckpointMappingError(f"export produced {off} twice (second from native {name})")
+                if weights is not None and tensor.untyped_storage().data_ptr() == weights.untyped_storage().data_ptr():
+                    tensor = tensor.clone()  # never hand out views of live parameters
+                out[off] = tensor
+    return out
+
+
+register()

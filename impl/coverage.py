@@ -1,0 +1,132 @@
+"""Coverage of a checkpoint (dir) or manifest by :data:`impl.mapping.MAPPING_TABLE`.
+
+Per tensor: the native name and semantics it maps to. Totals: mapped, declared-not-loaded (``.scale``
+companions consumed by dequantization of their ``.weight``), unmapped (no row), missing (a row's partner or a
+family member the present names imply: gated ``w1`` without ``w3``, an expert weight absent in one layer...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from impl.mapping import expected_official_names, lookup_native, lookup_official, scale_base
+
+__all__ = ["CoverageEntry", "CoverageReport", "coverage_report"]
+
+
+class CoverageEntry(NamedTuple):
+    official: str
+    status: str  # "mapped" | "declared" | "unmapped"
+    native: str | None = None
+    semantics: str | None = None
+    group: str | None = None
+    reason: str = ""
+
+
+@dataclass
+class CoverageReport:
+    entries: list[CoverageEntry] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    def _count(self, status: str) -> int:
+        return sum(1 for e in self.entries if e.status == status)
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return {
+            "mapped": self._count("mapped"),
+            "declared_not_loaded": self._count("declared"),
+            "unmapped": self._count("unmapped"),
+            "missing": len(self.missing),
+        }
+
+    @property
+    def unmapped(self) -> list[str]:
+        return [e.official for e in self.entries if e.status == "unmapped"]
+
+    def table(self, limit: int | None = None) -> str:
+        """A printable table: one line per tensor (first ``limit``), then missing names and totals."""
+        rows = self.entries if limit is None else self.entries[:limit]
+        w = max((len(e.official) for e in rows), default=8)
+        lines = [f"{'official':<{w}}  {'status':<8}  {'semantics':<16}  native / reason"]
+        for e in rows:
+            lines.append(f"{e.official:<{w}}  {e.status:<8}  {e.semantics or '-':<16}  {e.native or e.reason}")
+        if limit is not None and len(self.entries) > limit:
+            lines.append(f"... {len(self.entries) - limit} more")
+        lines += [f"{m:<{w}}  missing" for m in self.missing]
+        lines.append("totals: " + ", ".join(f"{k}={v}" for k, v in self.totals.items()))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table(limit=40)
+
+
+def _names_of(source: Any) -> list[str]:
+    if isinstance(source, str | Path):
+        from safetensors import safe_open
+
+        names: list[str] = []
+        for f in sorted(Path(source).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as fh:
+                names += list(fh.keys())
+        return names
+    if isinstance(source, Mapping):
+        return list(source)
+    return [n if isinstance(n, str) else n.name for n in source]  # names or TensorSpec-like rows
+
+
+def _implied_missing(names: set[str]) -> list[str]:
+    """Names the present ones imply: gated partners, per-layer families, the same expert set in every layer."""
+    missing: set[str] = set()
+    experts: dict[str, set[str]] = {}
+    for n in names:
+        hit = lookup_official(n)
+        if hit is None:
+            continue
+        native = lookup_native(hit.native)
+        missing.update(o for o in native.official if o not in names)
+        if hit.row.group == "expert":
+            layer, _, rest = n.partition(".ffn.experts.")
+            experts.setdefault(layer, set()).add(rest.split(".", 1)[0])
+    all_experts = set().union(*experts.values()) if experts else set()
+    for layer in experts:
+        for e in sorted(all_experts):
+            missing.update(n for w in ("w1", "w2", "w3") if (n := f"{layer}.ffn.experts.{e}.{w}.weight") not in names)
+    return sorted(missing)
+
+
+def coverage_report(
+    names_or_manifest: Iterable[Any] | Mapping[str, Any] | str | Path, *, config: Any = None
+) -> CoverageReport:
+    """Map every tensor name of a checkpoint dir / manifest / name list through the table.
+
+    With ``config`` (V4Config, transformers config or ``config.json`` dict; read from the dir's ``config.json``
+    when given a dir), "missing" is exact: every name :func:`impl.mapping.expected_official_names` implies.
+    """
+    names = _names_of(names_or_manifest)
+    present = set(names)
+    if config is None and isinstance(names_or_manifest, str | Path):
+        cfg_file = Path(names_or_manifest) / "config.json"
+        if cfg_file.exists():
+            import json
+
+            config = json.loads(cfg_file.read_text())
+    report = CoverageReport()
+    for n in names:
+        hit = lookup_official(n)
+        if hit is not None:
+            report.entries.append(CoverageEntry(n, "mapped", hit.native, hit.row.semantics, hit.row.group))
+            continue
+        base = scale_base(n)
+        if base is not None and base in present and lookup_official(base) is not None:
+            report.entries.append(CoverageEntry(n, "declared", reason=f"block scale of {base} (dequantized on load)"))
+            continue
+        report.entries.append(CoverageEntry(n, "unmapped", reason="no row in impl.mapping"))
+    if config is not None:
+        report.missing = [n for n in expected_official_names(config) if n not in present]
+    else:
+        report.missing = _implied_missing(present)
+    return report

@@ -1,0 +1,127 @@
+"""The checkpoint-name table: one meaning per name, Megatron-Bridge mapping class per group, V4 rows win."""
+
+import pytest
+
+from tiny_models.manifest import manifest
+from tiny_models.presets import flash_config
+
+pytestmark = pytest.mark.cpu
+
+# (group, native name, official name(s), Megatron-Bridge class name); megatron.bridge imports only after impl's compat
+
+REPRESENTATIVES = [
+    ("embedding", "embedding.word_embeddings.weight", ("embed.weight",), "ColumnParallelMapping"),
+    ("embedding", "output_layer.weight", ("head.weight",), "ColumnParallelMapping"),
+    ("norm", "decoder.layers.2.input_layernorm.weight", ("layers.2.attn_norm.weight",), "ReplicatedMapping"),
+    ("hyper_connection", "decoder.layers.1.hc_ffn_scale", ("layers.1.hc_ffn_scale",), "ReplicatedMapping"),
+    ("hyper_connection", "decoder.hc_head_params.hc_head_fn", ("hc_head_fn",), "ReplicatedMapping"),
+    ("attention", "decoder.layers.0.self_attention.wq_a.weight", ("layers.0.attn.wq_a.weight",), "ReplicatedMapping"),
+    (
+        "attention",
+        "decoder.layers.0.self_attention.wq_b.weight",
+        ("layers.0.attn.wq_b.weight",),
+        "ColumnParallelMapping",
+    ),
+    (
+        "attention",
+        "decoder.layers.0.self_attention.wo_a.weight",
+        ("layers.0.attn.wo_a.weight",),
+        "ColumnParallelMapping",
+    ),
+    ("attention", "decoder.layers.0.self_attention.wo_b.weight", ("layers.0.attn.wo_b.weight",), "RowParallelMapping"),
+    (
+        "attention_sink",
+        "decoder.layers.3.self_attention.attn_sink",
+        ("layers.3.attn.attn_sink",),
+        "ColumnParallelMapping",
+    ),
+    (
+        "compressor",
+        "decoder.layers.2.self_attention.compressor.ape",
+        ("layers.2.attn.compressor.ape",),
+        "ReplicatedMapping",
+    ),
+    (
+        "indexer",
+        "decoder.layers.2.self_attention.indexer.linear_wq_b.weight",
+        ("layers.2.attn.indexer.wq_b.weight",),
+        "ReplicatedMapping",
+    ),
+    ("routing", "decoder.layers.0.mlp.router.tid2eid", ("layers.0.ffn.gate.tid2eid",), "ReplicatedMapping"),
+    ("routing", "decoder.layers.5.mlp.router.expert_bias", ("layers.5.ffn.gate.bias",), "ReplicatedMapping"),
+    (
+        "expert",
+        "decoder.layers.4.mlp.experts.local_experts.7.linear_fc1.weight",
+        ("layers.4.ffn.experts.7.w1.weight", "layers.4.ffn.experts.7.w3.weight"),
+        "GatedMLPMapping",
+    ),
+    (
+        "expert",
+        "decoder.layers.4.mlp.experts.local_experts.7.linear_fc2.weight",
+        ("layers.4.ffn.experts.7.w2.weight",),
+        "RowParallelMapping",
+    ),
+    (
+        "shared_expert",
+        "decoder.layers.4.mlp.shared_experts.linear_fc1.weight",
+        ("layers.4.ffn.shared_experts.w1.weight", "layers.4.ffn.shared_experts.w3.weight"),
+        "GatedMLPMapping",
+    ),
+    ("mtp", "mtp.layers.0.final_layernorm.weight", ("mtp.0.norm.weight",), "ReplicatedMapping"),
+    (
+        "attention",
+        "mtp.layers.0.mtp_model_layer.self_attention.wq_b.weight",
+        ("mtp.0.attn.wq_b.weight",),
+        "ColumnParallelMapping",
+    ),
+]
+
+
+def _hf_names(mapping) -> tuple[str, ...]:
+    hf = mapping.hf_param
+    return (hf,) if isinstance(hf, str) else (hf["gate"], hf["up"])
+
+
+@pytest.mark.parametrize(("group", "native", "official", "cls"), REPRESENTATIVES, ids=lambda v: str(v)[:60])
+def test_group_builds_the_pinned_megatron_bridge_mapping(impl, group, native, official, cls):
+    mapping = impl.DeepseekV4ConversionBridge().mapping_registry().megatron_to_hf_lookup(native)
+    assert mapping is not None, f"no mapping for native {native}"
+    from megatron.bridge.models.conversion import param_mapping
+
+    expected = getattr(param_mapping, cls)
+    assert type(mapping) is expected, f"{native} ({group}) built {type(mapping).__name__}, expected {cls}"
+    assert _hf_names(mapping) == official, f"{native} maps to {_hf_names(mapping)}"
+    assert impl.lookup_native(native).row.group == group, f"{native} is in group {impl.lookup_native(native).row.group}"
+
+
+def test_v4_rows_win_over_generic_deepseek_rows(impl):
+    """The generic list maps the same native router/expert names to V3 names; first match wins, V4 is first."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.deepseek.common import get_common_mapping_list
+
+    name = "decoder.layers.3.mlp.router.weight"
+    ours = impl.DeepseekV4ConversionBridge().mapping_registry()
+    generic_first = MegatronMappingRegistry(*get_common_mapping_list(), *list(ours)[: len(impl.MAPPING_TABLE)])
+    assert generic_first.megatron_to_hf_lookup(name).hf_param == "model.layers.3.mlp.gate.weight"
+    assert ours.megatron_to_hf_lookup(name).hf_param == "layers.3.ffn.gate.weight", "V4 row lost to a generic row"
+    fc2 = "decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert ours.megatron_to_hf_lookup(fc2).hf_param == "layers.3.ffn.experts.1.w2.weight"
+
+
+def test_every_flash_name_resolves_both_ways_exactly_once(impl):
+    for spec in manifest(flash_config(), with_scales=False):
+        fwd = impl.lookup_official(spec.name)
+        assert fwd is not None, f"official {spec.name} unmapped"
+        back = impl.lookup_native(fwd.native)
+        assert back is not None and spec.name in back.official, f"{spec.name} -> {fwd.native} -> {back}"
+
+
+def test_mtp_rows_are_generated_from_the_layer_template(impl):
+    layer_rows = {r.native.removeprefix("decoder.layers.*."): r for r in impl.MAPPING_TABLE if "layers.*." in r.native}
+    mtp_rows = [r for r in impl.MAPPING_TABLE if r.native.startswith("mtp.layers.*.mtp_model_layer.")]
+    assert mtp_rows, "no MTP rows"
+    for r in mtp_rows:
+        tpl = layer_rows[r.native.removeprefix("mtp.layers.*.mtp_model_layer.")]
+        assert (r.semantics, r.group) == (tpl.semantics, tpl.group), f"MTP row {r.native} diverged from {tpl.native}"
+        assert r.official_names == tuple(o.replace("layers.*.", "mtp.*.", 1) for o in tpl.official_names)
+    assert not any("compressor" in r.native or "tid2eid" in r.native for r in mtp_rows), "MTP layer is sliding/score"

@@ -1,0 +1,67 @@
+"""Strict load of official checkpoints into the native model: all or nothing, every offender named."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny_models.checkpoint import write_checkpoint
+from tiny_models.presets import get_preset
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint("tiny-mixed", tmp_path_factory.mktemp("ckpt"), seed=3)
+
+
+def _model(impl):
+    return impl.DeepseekV4NativeModel(impl.V4Config.from_hf(get_preset("tiny-mixed")), include_mtp=True)
+
+
+def test_load_then_export_is_bit_exact(impl, ckpt):
+    model = _model(impl)
+    report = impl.load_official_checkpoint([model], ckpt)
+    ref = load_file(str(ckpt / "model.safetensors"))
+    assert report.totals["loaded"] == len(ref) and report.totals["unmapped"] == 0, report
+    out = impl.export_official_state([model])
+    assert set(out) == set(ref), f"exported extra {set(out) - set(ref)}, lost {set(ref) - set(out)}"
+    for name, t in ref.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t), f"{name} changed in the round trip"
+
+
+def _edited(ckpt, tmp_path, edit):
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    files = edit(tensors) or {"model.safetensors": tensors}
+    for fname, ts in files.items():
+        save_file(ts, str(tmp_path / fname))
+    return tmp_path
+
+
+CASES = {
+    "unmapped": (lambda t: t.update({"layers.0.attn.wq_c.weight": torch.zeros(2, 2)}), ["layers.0.attn.wq_c.weight"]),
+    "missing": (
+        lambda t: [t.pop("layers.1.attn.wo_b.weight"), t.pop("norm.weight")],
+        ["layers.1.attn.wo_b.weight", "norm.weight"],
+    ),
+    "mis-shaped": (lambda t: t.update({"layers.0.attn.wq_a.weight": torch.zeros(3, 5)}), ["layers.0.attn.wq_a.weight"]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_bad_checkpoint_raises_one_error_naming_all_offenders(impl, ckpt, tmp_path, kind):
+    edit, names = CASES[kind]
+    bad = _edited(ckpt, tmp_path, lambda t: edit(t) and None)
+    with pytest.raises(impl.CheckpointMappingError) as err:
+        impl.load_official_checkpoint([_model(impl)], bad)
+    for name in names:
+        assert f"{kind} {name}" in str(err.value) or (kind == "unmapped" and name in str(err.value)), str(err.value)
+
+
+def test_duplicated_tensor_across_shards_is_rejected(impl, ckpt, tmp_path):
+    def split(t):
+        return {"a.safetensors": t, "b.safetensors": {"embed.weight": t["embed.weight"].clone()}}
+
+    bad = _edited(ckpt, tmp_path, split)
+    with pytest.raises(impl.CheckpointMappingError, match="duplicated checkpoint tensor embed.weight"):
+        impl.load_official_checkpoint([_model(impl)], bad)
