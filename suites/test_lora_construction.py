@@ -1,0 +1,156 @@
+"""LoRA construction on the native V4 graph: exactly the meant modules are wrapped, only adapters train.
+
+The model tree is real native attention blocks (sliding, CSA with indexer, HCA) under ``decoder.layers.N``; the
+expected wrapped set is computed here from that tree with plain string rules, never from the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from fixtures.native_weights import ensure_single_rank_megatron
+from tiny_models.presets import get_preset
+
+pytestmark = pytest.mark.cpu
+
+# user name -> native path under self_attention (the spec, written out)
+MEANT = {
+    "wq_a": "wq_a",
+    "q_b_proj": "wq_b",
+    "wq_b": "wq_b",
+    "kv_proj": "wkv",
+    "wo_a": "wo_a",
+    "o_b_proj": "wo_b",
+    "indexer.wq_b": "indexer.linear_wq_b",
+    "indexer.weights_proj": "indexer.linear_weights_proj",
+    "compressor.wkv": "compressor.wkv",
+    "indexer.compressor.wgate": "indexer.compressor.wgate",
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_world() -> None:
+    ensure_single_rank_megatron()
+
+
+def _tree(impl) -> nn.Module:
+    hf = get_preset("tiny-mixed")
+    cfg = impl.V4Config.from_hf(hf)
+    root = nn.Module()
+    root.decoder = nn.Module()
+    layers = []
+    for i in range(min(3, cfg.num_layers)):
+        layer = nn.Module()
+        layer.self_attention = impl.DeepseekV4Attention(cfg, i)
+        layers.append(layer)
+    root.decoder.layers = nn.ModuleList(layers)
+    return root
+
+
+def _expected(root: nn.Module, targets: list[str], excluded_layers: set[int]) -> set[str]:
+    names = {n for n, _ in root.named_modules()}
+    return {
+        f"decoder.layers.{i}.self_attention.{MEANT[t]}"
+        for t in targets
+        for i in range(len(root.decoder.layers))
+        if i not in excluded_layers and f"decoder.layers.{i}.self_attention.{MEANT[t]}" in names
+    }
+
+
+def _wrapped(root: nn.Module) -> set[str]:
+    return {n for n, m in root.named_modules() if hasattr(m, "adapter") and hasattr(m, "to_wrap")}
+
+
+@given(
+    targets=st.lists(st.sampled_from(sorted(MEANT)), min_size=1, max_size=5, unique=True),
+    excluded=st.sets(st.integers(0, 2), max_size=2),
+)
+def test_wrapped_modules_are_exactly_the_meant_ones(impl, megatron_world, targets, excluded):
+    root = _tree(impl)
+    expected = _expected(root, targets, excluded)
+    exclude = [f"*.layers.{i}.*" for i in sorted(excluded)]
+    present = {n for n, _ in root.named_modules()}
+    reachable = all(any(n.endswith(".self_attention." + MEANT[t]) for n in present) for t in targets)
+    if not reachable:
+        with pytest.raises(impl.TargetError):
+            impl.apply_lora([root], targets=targets, exclude=exclude, rank=2, alpha=4)
+        return
+    if not expected:
+        with pytest.raises(impl.TargetError, match="remove every module"):
+            impl.apply_lora([root], targets=targets, exclude=exclude, rank=2, alpha=4)
+        return
+    impl.apply_lora([root], targets=targets, exclude=exclude, rank=2, alpha=4)
+    assert _wrapped(root) == expected, f"targets={targets} exclude={exclude}"
+
+
+def test_bare_wq_b_never_wraps_the_indexer(impl, megatron_world):
+    root = _tree(impl)
+    impl.apply_lora([root], targets=["wq_b"], rank=2, alpha=4)
+    wrapped = _wrapped(root)
+    assert wrapped and all(n.endswith(".self_attention.wq_b") for n in wrapped), sorted(wrapped)
+
+
+def test_unknown_targets_raise_listing_valid_names(impl, megatron_world):
+    with pytest.raises(impl.TargetError, match=r"'q_proj'.*Valid names here: wq_a, q_a_proj"):
+        impl.apply_lora([_tree(impl)], targets=["wq_b", "q_proj"], rank=2, alpha=4)
+
+
+def test_non_linear_target_is_rejected(impl, megatron_world):
+    with pytest.raises(impl.TargetError, match="q_norm"):
+        impl.apply_lora([_tree(impl)], targets=["*.self_attention.q_norm"], rank=2, alpha=4)
+
+
+def test_only_adapter_params_are_trainable_and_recorded_to_save(impl, megatron_world):
+    root = _tree(impl)
+    handle = impl.apply_lora([root], targets=["wq_a", "wq_b", "wkv", "wo_a", "wo_b"], rank=2, alpha=4)
+    trainable = {n for n, p in root.named_parameters() if p.requires_grad}
+    assert trainable and all(".adapter.linear_" in n for n in trainable), sorted(trainable)
+    assert set(handle.params_to_save) == trainable
+    assert len(trainable) == 2 * len(_wrapped(root))
+
+
+def test_multi_lora_is_rejected(impl, megatron_world):
+    with pytest.raises(impl.MultiLoRAUnsupportedError):
+        impl.apply_lora([_tree(impl)], targets=["wq_b"], rank=2, alpha=4, adapter_names=["a", "b"])
+    root = _tree(impl)
+    impl.apply_lora([root], targets=["wq_b"], rank=2, alpha=4)
+    with pytest.raises(impl.MultiLoRAUnsupportedError, match="already carries adapters"):
+        impl.apply_lora([root], targets=["wkv"], rank=2, alpha=4)
+
+
+def test_optimizer_steps_update_every_adapter_and_no_base_parameter(impl, megatron_world):
+    torch.manual_seed(0)
+    root = _tree(impl)
+    # the five main targets: the indexer only selects top-k entries (no gradient path from the LM loss)
+    impl.apply_lora(
+        [root],
+        targets=["wq_a", "wq_b", "wkv", "wo_a", "wo_b"],
+        rank=2,
+        alpha=4,
+        lora_B_init_method="normal",
+    )
+    base = {n: p.detach().clone() for n, p in root.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in root.named_parameters() if p.requires_grad}
+    opt = torch.optim.Adam([p for p in root.parameters() if p.requires_grad], lr=1e-2)
+    d = root.decoder.layers[0].self_attention.v4.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    x, target = torch.randn(2, 16, d, generator=gen), torch.randn(2, 16, d, generator=gen)
+    positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+    for step in range(3):
+        h = x
+        for layer in root.decoder.layers:
+            h = h + layer.self_attention(h, positions)
+        loss = (h - target).pow(2).mean()
+        assert torch.isfinite(loss), f"step {step}: loss {loss}"
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for n, p in root.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), f"base parameter {n} changed"
+        else:
+            assert torch.isfinite(p).all() and not torch.equal(p, adapters[n]), f"adapter {n} did not update"
