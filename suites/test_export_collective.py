@@ -1,0 +1,167 @@
+"""The adapter export is a collective that fails closed on every rank, in every phase, and never hangs.
+
+Fault matrix: world sizes 1, 2, 4 (8 with ``--nproc 8``) x failing rank x export phase. Each world size runs its
+whole matrix inside ONE spawned gloo group (cases run back to back, a barrier between them), which also proves
+that a failed export leaves the process group usable. Ranks load ``impl.export`` without ``impl/__init__``
+(``fixtures.export_faults.load_export_module``): importing megatron in every rank would cost tens of seconds.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from fixtures.export_faults import (
+    attention_shapes,
+    fault_in_phase,
+    load_export_module,
+    make_native_adapter,
+    snapshot_tree,
+)
+from fixtures.multirank import RankFailure, run_ranks
+
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
+
+PHASES = ("gather", "serialize", "write", "fsync", "validate", "publish", "marker", "commit")
+EXCHANGE_TIMEOUT_S = 10.0
+KILL_EXCHANGE_TIMEOUT_S = 1.0  # < multirank.GRACE_S: survivors must report before the runner stops them
+SHAPES = attention_shapes(hidden=64, q_lora=48, heads=4, head_dim=32, o_groups=2, o_lora=16)
+
+
+def matrix(world_size: int) -> list[tuple[str, int, str]]:
+    """(case id, failing rank, phase). Peers run no code in ``commit`` (after the commit point only the writer
+    acts), so that phase is injected on the writer only."""
+    return [(f"ws{world_size}-rank{r}-{p}", r, p) for r in range(world_size) for p in PHASES if p != "commit" or r == 0]
+
+
+@dataclass(frozen=True)
+class MatrixCase:
+    root: str
+    world_size: int
+    kill: tuple[int, str] | None = None  # (rank, phase) to SIGKILL instead of the matrix
+
+
+def _state(export, rank: int, seed: int):
+    # Every rank runs the gather; only the writer (rank 0) returns the gathered state.
+    if rank != 0:
+        return None
+    return export.AdapterState(make_native_adapter(SHAPES, 2, 4, seed=seed), r=4, alpha=8.0, targets=tuple(SHAPES))
+
+
+def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[dict]:
+    import torch.distributed as dist
+
+    export = load_export_module()
+    root = Path(case.root)
+    existing, fresh = root / "existing" / "adapter", root / "fresh" / "adapter"
+    export.export_adapter(lambda: _state(export, rank, 0), existing, timeout_s=EXCHANGE_TIMEOUT_S)
+    dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
+    cases = (
+        [(f"ws{world_size}-kill-rank{case.kill[0]}-{case.kill[1]}", *case.kill)] if case.kill else matrix(world_size)
+    )
+    timeout = KILL_EXCHANGE_TIMEOUT_S if case.kill else EXCHANGE_TIMEOUT_S
+    results = []
+    for i, (case_id, fail_rank, phase) in enumerate(cases):
+        dest = existing if i % 2 == 0 else fresh  # alternate: replacing an earlier export / no earlier export
+        before = snapshot_tree(dest)
+        exc = None if case.kill else OSError(f"writer failed ({case_id})")
+        error, started = None, time.monotonic()
+        with fault_in_phase(export, phase, fail_rank, rank, exc):
+            try:
+                export.export_adapter(lambda seed=i + 1: _state(export, rank, seed), dest, timeout_s=timeout)
+            except export.CollectiveExportError as err:
+                error = str(err)
+        elapsed = time.monotonic() - started
+        if not case.kill:
+            dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))  # the group must still work
+        after = snapshot_tree(dest)
+        results.append(
+            {
+                "id": case_id,
+                "error": error,
+                "elapsed": elapsed,
+                "unchanged": before == after,
+                "changed": sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)),
+                "complete": (dest / export.COMPLETE_MARKER).exists(),
+            }
+        )
+    return results
+
+
+_WORLD_SIZES = (1, 2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def matrix_results(nproc: int, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[list[dict]]]:
+    """Run each world size's matrix once; {world_size: per-rank case lists}."""
+    out = {}
+    for ws in _WORLD_SIZES:
+        if ws > max(nproc, 4):
+            continue
+        root = tmp_path_factory.mktemp(f"export-ws{ws}")
+        results = run_ranks(_rank_export_matrix, MatrixCase(str(root), ws), nproc=ws, timeout_s=240)
+        out[ws] = [r.payload for r in results]
+    return out
+
+
+@pytest.mark.parametrize(
+    "world_size,case_id,fail_rank,phase",
+    [pytest.param(ws, cid, r, p, id=cid) for ws in _WORLD_SIZES for cid, r, p in matrix(ws)],
+)
+def test_failure_in_any_phase_on_any_rank_raises_the_same_error_everywhere_and_publishes_nothing(
+    matrix_results, nproc: int, world_size: int, case_id: str, fail_rank: int, phase: str
+) -> None:
+    if world_size not in matrix_results:
+        pytest.skip(f"world size {world_size} needs --nproc {world_size}")
+    per_rank = [{c["id"]: c for c in payload}[case_id] for payload in matrix_results[world_size]]
+    errors = [c["error"] for c in per_rank]
+    assert all(e is not None for e in errors), (
+        f"{case_id}: ranks {[i for i, e in enumerate(errors) if e is None]} did not raise"
+    )
+    assert len(set(errors)) == 1, f"{case_id}: ranks raised different errors: {errors}"
+    assert f"rank {fail_rank}: OSError: writer failed ({case_id})" in errors[0], f"{case_id}: {errors[0]}"
+    assert f"failed in phase {phase}" in errors[0], f"{case_id}: {errors[0]}"
+    for rank, c in enumerate(per_rank):
+        assert c["unchanged"], f"{case_id}: rank {rank} sees the destination changed: {c['changed']}"
+        assert c["elapsed"] < EXCHANGE_TIMEOUT_S, f"{case_id}: rank {rank} took {c['elapsed']:.1f}s (a timeout?)"
+
+
+def test_matrix_case_count(matrix_results) -> None:
+    """Reports how many fault cases ran (and that every world size ran all of its cases)."""
+    counts = {ws: len(payloads[0]) for ws, payloads in matrix_results.items()}
+    for ws, n in counts.items():
+        assert n == len(matrix(ws)), f"world size {ws}: {n} cases ran, {len(matrix(ws))} declared"
+    print(f"export fault matrix: {counts} = {sum(counts.values())} cases")
+
+
+@pytest.mark.parametrize(
+    "world_size,kill_rank,phase",
+    [
+        pytest.param(2, 1, "write", id="ws2-kill-rank1-write"),
+        pytest.param(2, 0, "publish", id="ws2-kill-rank0-publish"),
+    ],
+)
+def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing_is_published(
+    tmp_path: Path, world_size: int, kill_rank: int, phase: str
+) -> None:
+    results = run_ranks(
+        _rank_export_matrix,
+        MatrixCase(str(tmp_path), world_size, kill=(kill_rank, phase)),
+        nproc=world_size,
+        timeout_s=60,
+        expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),
+    )
+    survivors = [r for r in results if r.rank != kill_rank]
+    for r in survivors:
+        (c,) = r.payload
+        assert c["error"] is not None, f"rank {r.rank} did not raise after rank {kill_rank} died"
+        assert f"rank {kill_rank}: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s" in c["error"], c["error"]
+        assert "(dead or hung)" in c["error"], c["error"]
+        assert c["unchanged"], f"rank {r.rank}: destination changed after rank {kill_rank} died: {c['changed']}"
+        assert not c["complete"] or c["unchanged"], f"rank {r.rank}: a new .complete appeared"
+    assert len({r.payload[0]["error"] for r in survivors}) == 1, "survivors raised different errors"

@@ -1,0 +1,116 @@
+"""An empty, partial, mis-shaped or corrupt adapter state is refused with a typed error naming the tensor,
+and nothing is published: the destination stays exactly as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures.export_faults import attention_shapes, make_native_adapter, snapshot_tree
+
+pytestmark = pytest.mark.cpu
+
+SHAPES = attention_shapes(hidden=64, q_lora=48, heads=4, head_dim=32, o_groups=2, o_lora=16)
+R = 4
+A0 = "decoder.layers.0.self_attention.wq_b.adapter.linear_in.weight"
+B0 = "decoder.layers.0.self_attention.wq_b.adapter.linear_out.weight"
+
+
+@pytest.fixture(scope="module")
+def api(impl):
+    return impl
+
+
+def _good() -> dict[str, torch.Tensor]:
+    return make_native_adapter(SHAPES, 2, R)
+
+
+def _base_shapes() -> dict[str, tuple[int, int]]:
+    return {f"layers.{i}.attn.{leaf}.weight": s for i in range(2) for leaf, s in SHAPES.items()}
+
+
+def _without(d, *names):
+    return {k: v for k, v in d.items() if k not in names}
+
+
+CASES = {
+    "no-tensors": (lambda: {}, {}, "EmptyAdapterError", "no tensors"),
+    "declared-target-without-tensors": (
+        lambda: {k: v for k, v in _good().items() if ".wkv." not in k},
+        {"targets": tuple(SHAPES)},
+        "EmptyAdapterError",
+        "'wkv' has no tensors",
+    ),
+    "target-missing-in-one-layer": (
+        lambda: {k: v for k, v in _good().items() if "layers.1.self_attention.wo_b" not in k},
+        {"targets": tuple(SHAPES), "num_layers": 2},
+        "EmptyAdapterError",
+        r"'wo_b' has no tensors in layer 1",
+    ),
+    "lora-B-missing": (lambda: _without(_good(), B0), {}, "MissingAdapterHalfError", A0.replace(".", r"\.")),
+    "lora-A-missing": (lambda: _without(_good(), A0), {}, "MissingAdapterHalfError", B0.replace(".", r"\.")),
+    "B-rows-disagree-with-base": (
+        lambda: {**_good(), B0: torch.zeros(SHAPES["wq_b"][0] + 1, R)},
+        {},
+        "AdapterShapeError",
+        r"layers\.0\.attn\.wq_b\.weight",
+    ),
+    "A-rank-disagrees-with-r": (
+        lambda: {**_good(), A0: torch.zeros(R + 1, SHAPES["wq_b"][1])},
+        {},
+        "AdapterShapeError",
+        r"r=4",
+    ),
+    "nan-in-lora-B": (
+        lambda: {**_good(), B0: torch.full((SHAPES["wq_b"][0], R), float("nan"))},
+        {},
+        "NonFiniteAdapterError",
+        B0.replace(".", r"\."),
+    ),
+    "inf-in-lora-A": (
+        lambda: {**_good(), A0: torch.full((R, SHAPES["wq_b"][1]), float("inf"))},
+        {},
+        "NonFiniteAdapterError",
+        A0.replace(".", r"\."),
+    ),
+    "non-attention-tensor": (
+        lambda: {**_good(), "decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight": torch.zeros(R, 64)},
+        {},
+        "ExportError",
+        r"mlp\.linear_fc1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_adapter_state_is_refused_in_memory_naming_the_tensor(api, case) -> None:
+    make, kw, err, match = CASES[case]
+    with pytest.raises(api.ExportError, match=match) as info:
+        api.publish_in_memory(api.AdapterState(make(), r=R, alpha=8.0, **kw), base_shapes=_base_shapes())
+    assert type(info.value).__name__ == err, f"{case}: raised {type(info.value).__name__}, expected {err}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_adapter_state_publishes_no_file_and_leaves_an_earlier_export_intact(api, case, tmp_path) -> None:
+    make, kw, err, match = CASES[case]
+    out = tmp_path / "adapter"
+    api.export_adapter(api.AdapterState(_good(), r=R, alpha=8.0), out)
+    before = snapshot_tree(out)
+    with pytest.raises(api.ExportError, match=match) as info:
+        api.export_adapter(api.AdapterState(make(), r=R, alpha=8.0, **kw), out, base_shapes=_base_shapes())
+    assert type(info.value.__cause__).__name__ == err, f"{case}: cause {info.value.__cause__!r}"
+    assert "rank 0: " + err in str(info.value), str(info.value)
+    assert snapshot_tree(out) == before, f"{case}: the destination or its parent changed"
+
+
+def test_bad_adapter_into_a_fresh_destination_creates_nothing(api, tmp_path) -> None:
+    out = tmp_path / "sub" / "adapter"
+    with pytest.raises(api.ExportError):
+        api.export_adapter(api.AdapterState({}, r=R, alpha=8.0), out)
+    assert not out.exists() and (not out.parent.exists() or not any(out.parent.iterdir())), "export left files behind"
+
+
+def test_multi_lora_export_is_unsupported(api) -> None:
+    two = {"a": api.AdapterState(_good(), r=R, alpha=8.0), "b": api.AdapterState(_good(), r=R, alpha=8.0)}
+    with pytest.raises(api.MultiLoRAUnsupportedError, match="multi-LoRA"):
+        api.publish_in_memory(two)

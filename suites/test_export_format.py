@@ -1,0 +1,223 @@
+"""A portable V4 adapter is a PEFT directory that real peft loads onto transformers' DeepseekV4ForCausalLM,
+wrapping exactly the exported modules and reproducing W + (alpha/r) * B @ A."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from fixtures.export_faults import attention_shapes, make_native_adapter
+
+pytestmark = pytest.mark.cpu
+
+R, ALPHA = 4, 8.0
+PLAIN = ("wq_a", "wq_b", "wkv", "wo_b")
+HF_LEAF = {"wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv": "kv_proj", "wo_a": "o_a_proj", "wo_b": "o_b_proj"}
+
+
+@pytest.fixture(scope="module")
+def api(impl):
+    return impl
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import DeepseekV4ForCausalLM
+
+    from tiny_models.presets import get_preset, min_seq_len
+
+    cfg = get_preset("tiny-mixed")
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(cfg).eval().float()
+    ids = torch.randint(0, cfg.vocab_size, (1, min_seq_len(cfg)), generator=torch.Generator().manual_seed(1))
+    return cfg, model, ids
+
+
+def _shapes(cfg):
+    return attention_shapes(
+        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    )
+
+
+def _native(cfg, leaves, seed=0):
+    shapes = {k: v for k, v in _shapes(cfg).items() if k in leaves}
+    return make_native_adapter(shapes, cfg.num_hidden_layers, R, seed=seed, b_scale=0.5)
+
+
+def _merged_reference(model, native):
+    """The oracle: a copy of the model whose targeted weights are W + (alpha/r) B @ A (fp32)."""
+    ref = copy.deepcopy(model)
+    sd = ref.state_dict()
+    for name, a in native.items():
+        if not name.endswith("linear_in.weight"):
+            continue
+        b = native[name.replace("linear_in", "linear_out")]
+        parts = name.split(".")
+        layer, leaf = int(parts[2]), parts[4]
+        sd[f"model.layers.{layer}.self_attn.{HF_LEAF[leaf]}.weight"] += (ALPHA / R) * (b.float() @ a.float())
+    ref.load_state_dict(sd)
+    return ref
+
+
+def _export(api, tmp_path, native, **kw):
+    out = tmp_path / "adapter"
+    api.export_adapter(api.AdapterState(native, r=R, alpha=ALPHA, dropout=0.05), out, **kw)
+    return out
+
+
+def _lora_wrapped(peft_model) -> set[str]:
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    return {n.removeprefix(prefix) for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def test_adapter_config_has_the_peft_lora_fields(api, tiny, tmp_path) -> None:
+    cfg, _, _ = tiny
+    out = _export(api, tmp_path, _native(cfg, PLAIN), base_model_name_or_path="deepseek-ai/DeepSeek-V4-Flash")
+    config = json.loads((out / "adapter_config.json").read_text())
+    want = {"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "lora_dropout": 0.05, "bias": "none"}
+    assert {k: config[k] for k in want} == want, config
+    assert config["task_type"] == "CAUSAL_LM" and config["base_model_name_or_path"] == "deepseek-ai/DeepSeek-V4-Flash"
+    assert (out / "adapter_model.safetensors").read_bytes()[:8] != b"PK\x03\x04", "pickle/zip, not safetensors"
+    assert sorted(p.name for p in out.iterdir()) == [".complete", "adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_peft_wraps_exactly_the_exported_modules_not_the_indexer_or_compressor(api, tiny, tmp_path) -> None:
+    from peft import PeftModel
+
+    cfg, model, _ = tiny
+    native = {k: v for k, v in _native(cfg, PLAIN).items() if ".layers.0." not in k or ".wkv." not in k}
+    out = _export(api, tmp_path, native)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), str(out))
+    exported = {
+        k.removeprefix("base_model.model.").rsplit(".", 2)[0]
+        for k in __import__("safetensors.torch").torch.load_file(str(out / "adapter_model.safetensors"))
+    }
+    wrapped = _lora_wrapped(peft_model)
+    assert wrapped == exported, (
+        f"wrapped but not exported: {sorted(wrapped - exported)}; missing: {sorted(exported - wrapped)}"
+    )
+    assert "model.layers.0.self_attn.kv_proj" not in wrapped, "layer 0 kv_proj has no adapter but was wrapped"
+    decoys = [n for n, _ in model.named_modules() if n.endswith(("compressor.kv_proj", "indexer.q_b_proj"))]
+    assert decoys, "the tiny preset must have compressor/indexer projections for this test to mean anything"
+
+
+def test_plain_targets_change_logits_exactly_as_w_plus_scaled_ba(api, tiny, tmp_path) -> None:
+    from peft import PeftModel
+
+    cfg, model, ids = tiny
+    native = _native(cfg, PLAIN, seed=3)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), str(_export(api, tmp_path, native))).eval()
+    with torch.no_grad():
+        base, got, want = model(ids).logits, peft_model(ids).logits, _merged_reference(model, native)(ids).logits
+    assert (got - base).abs().max() > 1e-3, "the adapter did not change the logits: the test would prove nothing"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg="unmerged PEFT logits != W + scale*B@A oracle")
+
+
+def test_grouped_o_a_proj_adapter_merges_to_the_oracle(api, tiny, tmp_path) -> None:
+    """PEFT's unmerged forward is wrong for the grouped o_a_proj, so the adapter is checked via merge_and_unload."""
+    from peft import PeftModel
+
+    cfg, model, ids = tiny
+    native = _native(cfg, tuple(HF_LEAF), seed=4)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), str(_export(api, tmp_path, native)))
+    merged = peft_model.merge_and_unload().eval()
+    with torch.no_grad():
+        got, want, base = merged(ids).logits, _merged_reference(model, native)(ids).logits, model(ids).logits
+    assert (want - base).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg="merged o_a_proj adapter != oracle")
+
+
+def test_in_memory_publication_equals_the_file_export(api, tiny, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    cfg, _, _ = tiny
+    native = _native(cfg, tuple(HF_LEAF), seed=5)
+    state = api.AdapterState(native, r=R, alpha=ALPHA)
+    tensors, config = api.publish_in_memory(state, base_model_name_or_path="b")
+    out = tmp_path / "adapter"
+    api.export_adapter(state, out, base_model_name_or_path="b")
+    on_disk = load_file(str(out / "adapter_model.safetensors"))
+    assert sorted(tensors) == sorted(on_disk)
+    for k, v in tensors.items():
+        assert torch.equal(v, on_disk[k]) and v.dtype == on_disk[k].dtype, f"{k} differs between memory and file"
+    assert config == json.loads((out / "adapter_config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "dialect,a_name",
+    [
+        ("transformers", "base_model.model.model.layers.1.self_attn.q_b_proj.lora_A.weight"),
+        ("official", "base_model.model.layers.1.attn.wq_b.lora_A.weight"),
+        ("sglang", "base_model.model.model.layers.1.self_attn.wq_b.lora_A.weight"),
+    ],
+)
+def test_each_dialect_names_the_adapter_its_consumer_expects(api, tiny, dialect, a_name) -> None:
+    cfg, _, _ = tiny
+    native = _native(cfg, PLAIN)
+    tensors, config = api.publish_in_memory(api.AdapterState(native, r=R, alpha=ALPHA), dialect=dialect)
+    assert a_name in tensors, f"{dialect}: {sorted(tensors)[:3]}"
+    src = native["decoder.layers.1.self_attention.wq_b.adapter.linear_in.weight"]
+    assert torch.equal(tensors[a_name], src)
+    assert len(tensors) == len(native)
+
+
+def test_mtp_adapters_are_rejected_for_transformers_unless_excluded_and_kept_for_official(api, tiny) -> None:
+    cfg, _, _ = tiny
+    shapes = {k: v for k, v in _shapes(cfg).items() if k in PLAIN}
+    native = make_native_adapter(shapes, cfg.num_hidden_layers, R, mtp=True)
+    state = api.AdapterState(native, r=R, alpha=ALPHA)
+    with pytest.raises(api.ExportError, match=r"mtp\.layers\.0\.mtp_model_layer\.self_attention\..*no MTP"):
+        api.publish_in_memory(state)
+    tensors, _ = api.publish_in_memory(state, mtp="exclude")
+    assert not any("mtp" in k for k in tensors) and len(tensors) == len(native) - 2 * len(PLAIN)
+    official, _ = api.publish_in_memory(state, dialect="official")
+    assert "base_model.model.mtp.0.attn.wq_a.lora_B.weight" in official
+
+
+def test_fingerprint_detects_a_different_base(api, tiny, tmp_path) -> None:
+    cfg, model, _ = tiny
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    native = _native(cfg, PLAIN)
+    names = sorted({f"layers.{k.split('.')[2]}.attn.{k.split('.')[4]}.weight" for k in native})
+    fp = api.base_fingerprint(base, names, config=cfg.to_dict())
+    out = _export(api, tmp_path, native, base_fingerprint=fp)
+    api.verify_fingerprint(out, base, config=cfg.to_dict())  # same base: passes
+    other = dict(base)
+    other["model.layers.2.self_attn.kv_proj.weight"] = base["model.layers.2.self_attn.kv_proj.weight"] + 1e-3
+    with pytest.raises(api.FingerprintMismatchError, match=r"layers\.2\.attn\.wkv\.weight: sha256"):
+        api.verify_fingerprint(out, other, config=cfg.to_dict())
+    changed_cfg = {**cfg.to_dict(), "rms_norm_eps": 1e-5}
+    with pytest.raises(api.FingerprintMismatchError, match="config.json"):
+        api.verify_fingerprint(out, base, config=changed_cfg)
+
+
+def test_fingerprint_of_a_checkpoint_dir_reads_only_the_targeted_shards(api, tiny, tmp_path) -> None:
+    """The index names a shard of non-targeted tensors that does not exist: only target shards may be opened."""
+    from safetensors.torch import save_file
+
+    cfg, model, _ = tiny
+    sd = model.state_dict()
+    attn = {f"layers.{i}.attn.wq_a.weight": sd[f"model.layers.{i}.self_attn.q_a_proj.weight"] for i in range(2)}
+    save_file(attn, str(tmp_path / "model-00001.safetensors"))
+    weight_map = {k: "model-00001.safetensors" for k in attn} | {"layers.0.ffn.gate.weight": "model-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict(), default=str))
+    from_dir = api.base_fingerprint(tmp_path, sorted(attn))
+    from_state = api.base_fingerprint(dict(sd), sorted(attn), config=json.loads((tmp_path / "config.json").read_text()))
+    assert from_dir == from_state, "checkpoint-dir and in-memory fingerprints of the same base differ"
+
+
+def test_validate_adapter_dir_accepts_the_export_and_names_a_tampered_file(api, tiny, tmp_path) -> None:
+    cfg, _, _ = tiny
+    out = _export(api, tmp_path, _native(cfg, PLAIN))
+    report = api.validate_adapter_dir(out)
+    assert len(report["modules"]) == len(PLAIN) * cfg.num_hidden_layers
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, "r": R + 1}))
+    with pytest.raises(api.ExportError, match="adapter_config.json"):
+        api.validate_adapter_dir(out)
