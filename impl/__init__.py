@@ -1,54 +1,195 @@
 """Reference implementation: LoRA on DeepSeek-V4 with Megatron-Core and Megatron-Bridge.
 
-Public API (what the suites reach through the ``impl`` fixture) is listed in ``__all__``.
-Importing this package makes the Megatron stack usable on this host (``impl.compat``).
+The public API (what the suites reach through the ``impl`` fixture) is ``__all__``. Names load lazily:
+``import impl`` is cheap, and the first use of a name from a module that needs megatron installs the
+CPU compatibility layer (``impl.compat``) before megatron is imported. So ``dsv4-lora verify-adapter``
+and exporter ranks never pay for megatron, and nothing can import megatron ahead of the compat layer.
 """
 
-from impl.compat import CompatReport, TransformerEngineStubError
-from impl.compat import install as _install_compat
+from __future__ import annotations
 
-_COMPAT = _install_compat()
-
-from impl import errors  # noqa: E402
-from impl.detect import V4_ARCHITECTURE, is_deepseek_v4_config, require_deepseek_v4_config  # noqa: E402
-from impl.errors import *  # noqa: E402,F403
-from impl.hardware import (  # noqa: E402
-    FusedKernelDefaults,
-    deepseek_v4_supports_blackwell_fused_kernels,
-    deepseek_v4_supports_fused_dsa_kernels,
-    fused_kernel_defaults,
-)
-from impl.pipeline import (  # noqa: E402
-    generate_pipeline_layout,
-    resolve_pipeline_layout,
-    stage_layer_numbers,
-    validate_pipeline_layout,
-)
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
+#: module -> public names it provides
+_PUBLIC: dict[str, tuple[str, ...]] = {
+    "impl.adapter_gather": ("AdapterGatherError", "gather_adapter_state"),
+    "impl.bridge": (
+        "DeepseekV4ConversionBridge",
+        "LoadReport",
+        "export_official_state",
+        "load_official_checkpoint",
+    ),
+    "impl.compat": (
+        "CompatReport",
+        "TransformerEngineStubError",
+    ),
+    "impl.coverage": (
+        "CoverageReport",
+        "coverage_report",
+    ),
+    "impl.detect": (
+        "V4_ARCHITECTURE",
+        "is_deepseek_v4_config",
+        "require_deepseek_v4_config",
+    ),
+    "impl.dialects": ("DIALECTS",),
+    "impl.errors": (
+        "CheckpointMappingError",
+        "ConversionOnlyBridgeError",
+        "CorruptCheckpointError",
+        "Dsv4Error",
+        "ExportError",
+        "GroupedLoRAError",
+        "MultiLoRAUnsupportedError",
+        "NotDeepseekV4Error",
+        "PipelineLayoutError",
+        "QuantizationError",
+        "TargetError",
+        "UnsupportedConfigError",
+    ),
+    "impl.export": (
+        "AdapterShapeError",
+        "AdapterState",
+        "AdapterValidationError",
+        "COMPLETE_MARKER",
+        "CollectiveExportError",
+        "EmptyAdapterError",
+        "MissingAdapterHalfError",
+        "MtpNotExportableError",
+        "NonFiniteAdapterError",
+        "PHASES",
+        "export_adapter",
+        "publish_in_memory",
+        "recover_export_dir",
+        "validate_adapter_dir",
+    ),
+    "impl.fingerprint": (
+        "FingerprintMismatchError",
+        "base_fingerprint",
+        "read_adapter_fingerprint",
+        "verify_fingerprint",
+    ),
+    "impl.hardware": (
+        "FusedKernelDefaults",
+        "deepseek_v4_supports_blackwell_fused_kernels",
+        "deepseek_v4_supports_fused_dsa_kernels",
+        "fused_kernel_defaults",
+    ),
+    "impl.lora": (
+        "DeepseekV4LoRA",
+        "LoraHandle",
+        "apply_grouped_wo_a",
+        "apply_lora",
+        "make_lora_pre_wrap_hook",
+    ),
+    "impl.mapping": (
+        "MAPPING_TABLE",
+        "MappingRow",
+        "lookup_native",
+        "lookup_official",
+    ),
+    "impl.native": (
+        "DeepseekV4DecoderLayer",
+        "DeepseekV4MTPBlock",
+        "DeepseekV4MTPLayer",
+        "DeepseekV4NativeModel",
+        "HyperHead",
+        "V4Config",
+        "V4Expert",
+        "V4Experts",
+        "V4MoE",
+        "V4Router",
+        "expert_parallel_layout",
+        "hc_head",
+        "hc_post",
+        "hc_pre",
+        "validate_parallel_layout",
+    ),
+    "impl.native.attention": (
+        "AttentionInputError",
+        "DeepseekV4Attention",
+        "grouped_wo_a",
+    ),
+    "impl.native.norm": (
+        "RMSNorm",
+        "ReplicatedLinear",
+    ),
+    "impl.native.rope": (
+        "apply_interleaved_rope",
+        "rope_inv_freq",
+    ),
+    "impl.pipeline": (
+        "generate_pipeline_layout",
+        "resolve_pipeline_layout",
+        "stage_layer_numbers",
+        "validate_pipeline_layout",
+    ),
+    "impl.provider": (
+        "DeepseekV4NativeProvider",
+        "build_native_model",
+    ),
+    "impl.qualify": (
+        "QualifyOptions",
+        "run_qualify",
+    ),
+    "impl.targets": (
+        "MAIN_ATTENTION_TARGETS",
+        "TARGET_VOCABULARY",
+        "qualify_exclusions",
+        "qualify_targets",
+    ),
+    "impl.verify": (
+        "VerifyResult",
+        "verify_adapter",
+    ),
+}
+#: modules whose import needs megatron (compat layer first)
+_NEEDS_MEGATRON = {
+    "impl.adapter_gather",
+    "impl.bridge",
+    "impl.coverage",
+    "impl.lora",
+    "impl.mapping",
+    "impl.native",
+    "impl.native.attention",
+    "impl.native.norm",
+    "impl.native.rope",
+    "impl.provider",
+    "impl.qualify",
+}
+_WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
-def compat_report() -> CompatReport:
-    """Which CPU compatibility pieces are active in this process."""
-    return _COMPAT
+__all__ = sorted([*_WHERE, "__version__", "compat_report", "errors", "load_all"])
 
 
-__all__ = [
-    "__version__",
-    "CompatReport",
-    "FusedKernelDefaults",
-    "TransformerEngineStubError",
-    "V4_ARCHITECTURE",
-    "compat_report",
-    "deepseek_v4_supports_blackwell_fused_kernels",
-    "deepseek_v4_supports_fused_dsa_kernels",
-    "errors",
-    "fused_kernel_defaults",
-    "generate_pipeline_layout",
-    "resolve_pipeline_layout",
-    "stage_layer_numbers",
-    "validate_pipeline_layout",
-    "is_deepseek_v4_config",
-    "require_deepseek_v4_config",
-    *errors.__all__,
-]
+def compat_report():
+    """Which CPU compatibility pieces are active in this process (installs them on first call)."""
+    from impl.compat import install
+
+    return install()
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        if name == "errors":
+            return importlib.import_module("impl.errors")
+        raise AttributeError(f"module 'impl' has no attribute {name!r}")
+    if module in _NEEDS_MEGATRON:
+        compat_report()
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+def load_all() -> None:
+    """Import every public module now (used to move import cost out of timed regions)."""
+    for name in _WHERE:
+        __getattr__(name)

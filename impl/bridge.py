@@ -25,6 +25,10 @@ reads safetensors headers only and agrees across ranks before any collective, so
 
 from __future__ import annotations
 
+import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+
+# isort: split
+
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -51,7 +55,7 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from torch import nn
 
-from impl.errors import CheckpointMappingError, ConversionOnlyBridgeError, QuantizationError
+from impl.errors import CheckpointMappingError, ConversionOnlyBridgeError, CorruptCheckpointError, QuantizationError
 from impl.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
 
 __all__ = [
@@ -236,15 +240,19 @@ def _read_headers(ckpt_dir: Path) -> tuple[dict[str, _Header], dict[str, list[st
     seen: dict[str, list[str]] = {}
     for f in files:
         # The JSON header itself: it also reveals a name written twice within one file.
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            raw = json.loads(fh.read(n), object_pairs_hook=lambda kv: kv)
-        for name, meta in raw:
-            if name == "__metadata__":
-                continue
-            meta = dict(meta)  # object_pairs_hook keeps every JSON object as a list of pairs
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                raw = json.loads(fh.read(n), object_pairs_hook=lambda kv: kv)
+            entries = [(name, dict(meta)) for name, meta in raw if name != "__metadata__"]
+            parsed = [(name, tuple(meta["shape"]), meta["dtype"]) for name, meta in entries]
+        except (ValueError, KeyError, TypeError, MemoryError) as exc:
+            raise CorruptCheckpointError(
+                f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc}); re-download or re-write it"
+            ) from exc
+        for name, shape, dtype in parsed:
             seen.setdefault(name, []).append(f.name)
-            headers[name] = _Header(f.name, tuple(meta["shape"]), meta["dtype"])
+            headers[name] = _Header(f.name, shape, dtype)
     dups = {n: fs for n, fs in seen.items() if len(fs) > 1}
     return headers, dups
 

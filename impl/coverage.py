@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from impl.errors import CorruptCheckpointError
 from impl.mapping import expected_official_names, lookup_native, lookup_official, scale_base
 
 __all__ = ["CoverageEntry", "CoverageReport", "coverage_report"]
@@ -70,8 +71,13 @@ def _names_of(source: Any) -> list[str]:
 
         names: list[str] = []
         for f in sorted(Path(source).glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as fh:
-                names += list(fh.keys())
+            try:
+                with safe_open(str(f), framework="pt") as fh:
+                    names += list(fh.keys())
+            except Exception as exc:  # safetensors raises its own error types for a bad header
+                raise CorruptCheckpointError(
+                    f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc}); re-download or re-write it"
+                ) from exc
         return names
     if isinstance(source, Mapping):
         return list(source)

@@ -9,6 +9,7 @@ __all__ = [
     "UnsupportedConfigError",
     "MultiLoRAUnsupportedError",
     "ConversionOnlyBridgeError",
+    "CorruptCheckpointError",
     "CheckpointMappingError",
     "QuantizationError",
     "TargetError",
@@ -43,6 +44,10 @@ class CheckpointMappingError(Dsv4Error, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class CorruptCheckpointError(Dsv4Error, ValueError):
+    """A checkpoint file cannot be read as safetensors (file named)."""
 
 
 class QuantizationError(Dsv4Error, ValueError):

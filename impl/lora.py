@@ -14,6 +14,10 @@ Three things Megatron-Bridge 0.6.2 does not do for this graph, and how they are 
 
 from __future__ import annotations
 
+import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+
+# isort: split
+
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

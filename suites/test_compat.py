@@ -22,13 +22,14 @@ _LOAD = textwrap.dedent(
 
 
 def test_stub_is_active_without_real_transformer_engine(impl):
+    assert impl.compat_report().te_stub is True
     import transformer_engine
 
-    assert impl.compat_report().te_stub is True
     assert getattr(transformer_engine, "__te_stub__", False) is True
 
 
 def test_stubbed_transformer_engine_class_raises_clear_error(impl):
+    impl.compat_report()
     import transformer_engine.pytorch as te
 
     with pytest.raises(impl.TransformerEngineStubError, match=r"transformer_engine\.pytorch\.Linear.*import stub"):
@@ -80,9 +81,10 @@ def test_cpu_shims_are_inactive_when_cuda_is_available():
 
 def test_cpu_shims_are_active_here_and_seed_megatron_rng(impl):
     import torch
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     assert impl.compat_report().cpu_shims is (not torch.cuda.is_available())
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
     assert torch.cuda.current_device() == torch.device("cpu")
     tracker = get_cuda_rng_tracker()
     assert tracker is not None
@@ -115,7 +117,7 @@ def test_local_spec_mla_attention_runs_forward_and_backward(impl, tmp_path):
     out = run_python(
         textwrap.dedent(
             f"""
-            import impl, torch, torch.nn.functional as F
+            import impl.compat.active, torch, torch.nn.functional as F
             import torch.distributed as dist
             from megatron.core import parallel_state
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -254,7 +254,7 @@ class ParallelCase:
 def _rank_native_parallel(rank: int, world_size: int, case: ParallelCase) -> dict:
     from megatron.core import parallel_state
 
-    import impl  # noqa: F401  (CPU shims before megatron-core)
+    import impl.compat.active  # noqa: F401  (CPU shims before megatron-core)
 
     init_megatron_parallel(tp=case.tp, ep=case.ep)
     api = native_api(load_impl(case.impl_name))

@@ -3,6 +3,9 @@
 Importing this package does not install the CPU compat layer; import ``impl`` (which does) first.
 """
 
+import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+
+# isort: split
 from impl.native.config import V4Config
 from impl.native.hyper import HyperHead, hc_head, hc_post, hc_pre
 from impl.native.layer import DeepseekV4DecoderLayer

@@ -1,0 +1,181 @@
+"""``dsv4-lora``: qualify a DeepSeek-V4 LoRA setup end to end, check an adapter, report mapping coverage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _print_table(rows: list[tuple[str, str, str]]) -> None:
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    for name, status, figure in rows:
+        print(f"  {name:<{w0}}  {status:<{w1}}  {figure}")
+
+
+def _status(passed: bool | None) -> str:
+    return "PASS" if passed else ("n/a" if passed is None else "FAIL")
+
+
+def cmd_qualify(args: argparse.Namespace) -> int:
+    from impl.qualify import QualifyOptions, run_qualify, versions
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    base = args.base
+    if base is None:
+        from tiny_models.checkpoint import write_checkpoint
+
+        base = str(out / "base")
+        print(f"writing the embedded default base (deterministic tiny V4, preset {args.preset}) to {base}")
+        write_checkpoint(args.preset, base, seed=args.seed)
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    nproc = args.nproc or args.tp * args.pp * args.ep
+    opts = QualifyOptions(
+        base=str(Path(base).resolve()),
+        out=str(out),
+        targets=targets,
+        rank=args.rank,
+        alpha=args.alpha,
+        tp=args.tp,
+        ep=args.ep,
+        pp=args.pp,
+        dialect=args.dialect,
+        steps=args.steps,
+        seed=args.seed,
+        timeout_s=args.timeout,
+    )
+    print(f"qualify: base={opts.base} tp={opts.tp} ep={opts.ep} pp={opts.pp} ranks={nproc} targets={','.join(targets)}")
+    t0 = time.perf_counter()
+    try:
+        checks = run_qualify(opts, nproc=nproc)
+        error = None
+    except Exception as exc:  # report, don't traceback: the JSON still records what ran
+        checks, error = [], f"{type(exc).__name__}: {exc}"
+    wall = time.perf_counter() - t0
+    from impl.qualify import Check
+
+    if error:
+        checks.append(Check("run", False, error.splitlines()[0][:300], {"error": error}, 0.0))
+    print()
+    _print_table([("check", "result", "figure")] + [(c.name, _status(c.passed), c.figure) for c in checks])
+    ok = bool(checks) and all(c.passed is not False for c in checks)
+    report = {
+        "ok": ok,
+        "wall_s": round(wall, 2),
+        "options": {**opts.__dict__, "targets": list(targets), "nproc": nproc},
+        "versions": versions(),
+        "checks": [c.__dict__ for c in checks],
+        "adapter": str(out / "adapter"),
+    }
+    json_path = Path(args.json) if args.json else out / "qualify.json"
+    json_path.write_text(json.dumps(report, indent=2, default=str))
+    print(f"\n{'PASSED' if ok else 'FAILED'} in {wall:.1f}s; report: {json_path}; adapter: {out / 'adapter'}")
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def cmd_verify_adapter(args: argparse.Namespace) -> int:
+    from impl.verify import verify_adapter
+
+    result = verify_adapter(args.base, args.adapter, forward=args.forward)
+    _print_table([("check", "result", "detail")] + [(c.name, _status(c.passed), c.figure) for c in result.checks])
+    for problem in result.problems:
+        print(f"  problem: {problem}")
+    print(f"\n{'PASSED' if result.ok else 'FAILED'}: {len(result.problems)} problem(s)")
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def cmd_coverage(args: argparse.Namespace) -> int:
+    from impl.coverage import coverage_report
+
+    if args.base:
+        report = coverage_report(Path(args.base))
+    else:
+        from tiny_models.manifest import manifest
+        from tiny_models.presets import flash_config, get_preset, pro_config
+
+        cfg = {"flash": flash_config, "pro": pro_config}.get(args.manifest)
+        cfg = cfg() if cfg else get_preset(args.manifest)
+        report = coverage_report(
+            [s.name for s in manifest(cfg, with_scales=args.manifest in ("flash", "pro"))], config=cfg
+        )
+    print(report.table(limit=args.limit))
+    totals = report.totals
+    print("totals: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
+    ok = totals.get("unmapped", 0) == 0 and totals.get("missing", 0) == 0
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dsv4-lora",
+        description="Prove a DeepSeek-V4 LoRA setup end to end (Megatron-Core native graph, Megatron-Bridge "
+        "conversion, PEFT adapter export and reload).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser(
+        "qualify",
+        help="run the whole contract on a base (default: an embedded tiny V4 base)",
+        description="Detection, strict base load (coverage), LoRA before DDP, training steps, adapter-only "
+        "export, PEFT reload on transformers, logits comparison. Exits 1 if any check fails.",
+    )
+    q.add_argument("--base", help="official-layout checkpoint directory (default: write a tiny base into --out)")
+    q.add_argument("--preset", default="tiny-mixed", help="tiny preset for the default base (default: tiny-mixed)")
+    q.add_argument("--targets", default="wq_a,wq_b,wkv,wo_a,wo_b", help="comma-separated LoRA targets")
+    q.add_argument("--rank", type=int, default=8, help="LoRA rank r (default 8)")
+    q.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    q.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    q.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    q.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    q.add_argument("--nproc", type=int, default=None, help="ranks (default tp*pp*ep; gloo on CPU, NCCL under torchrun)")
+    q.add_argument("--dialect", default="transformers", choices=["transformers", "official", "sglang"])
+    q.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is stopped")
+    q.add_argument("--out", default="out/qualify", help="output directory (adapter, base, report)")
+    q.add_argument("--json", default=None, help="JSON report path (default OUT/qualify.json)")
+    q.set_defaults(func=cmd_qualify)
+
+    v = sub.add_parser(
+        "verify-adapter",
+        help="check an existing PEFT adapter against a base without loading full weights",
+        description="Reads safetensors headers and configs only (works on a full-size base): names resolve to "
+        "base modules, only the configured modules, shapes agree, rank/alpha consistent, finite values, "
+        "fingerprint matches, .complete certifies these files.",
+    )
+    v.add_argument("--base", required=True, help="base checkpoint directory")
+    v.add_argument("--adapter", required=True, help="PEFT adapter directory")
+    v.add_argument("--forward", action="store_true", help="also run the tiny logits check (small bases only)")
+    v.set_defaults(func=cmd_verify_adapter)
+
+    c = sub.add_parser(
+        "coverage",
+        help="mapping coverage of a checkpoint or manifest",
+        description="For each tensor: the native name and parallel semantics it maps to; totals of mapped, "
+        "declared-not-loaded, unmapped and missing. Exit 1 if anything is unmapped or missing.",
+    )
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--base", help="checkpoint directory")
+    src.add_argument("--manifest", help="flash, pro, or a tiny preset name")
+    c.add_argument("--limit", type=int, default=40, help="table rows to print (default 40)")
+    c.set_defaults(func=cmd_coverage)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import impl  # noqa: F401  (CPU compat layer before any megatron import)
+
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

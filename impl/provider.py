@@ -1,0 +1,162 @@
+"""The native DeepSeek-V4 provider: builds model chunks for a TP / EP / PP (/ virtual PP) layout.
+
+V4 is never routed through Megatron-Bridge's AutoBridge provider selection: the HF config is checked
+with :func:`impl.detect.require_deepseek_v4_config`, the layout is validated before anything is
+built, and Megatron-Bridge's own ``provide_distributed_model`` then runs the pre-wrap hooks (PEFT)
+on the bare chunks **before** DDP wrapping, so DDP's gradient buffers hold exactly the parameters
+the hooks left trainable.
+"""
+
+from __future__ import annotations
+
+import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+
+# isort: split
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.bridge.models.model_provider import ModelProviderMixin
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.transformer.module import MegatronModule
+
+from impl.detect import require_deepseek_v4_config
+from impl.errors import MultiLoRAUnsupportedError, UnsupportedConfigError
+from impl.native.config import V4Config
+from impl.native.model import DeepseekV4NativeModel, validate_parallel_layout
+from impl.pipeline import Layout, resolve_pipeline_layout, stage_layer_numbers
+
+PreWrapHook = Callable[[list[MegatronModule]], list[MegatronModule] | None]
+
+__all__ = ["DeepseekV4NativeProvider", "build_native_model", "reject_multi_lora"]
+
+
+def reject_multi_lora(enabled: bool) -> None:
+    if enabled:
+        raise MultiLoRAUnsupportedError(
+            "Multi-LoRA is not supported on the native DeepSeek-V4 graph; train one adapter per run "
+            "(this is rejected before anything is built rather than silently falling back)"
+        )
+
+
+@dataclass
+class DeepseekV4NativeProvider(ModelProviderMixin[DeepseekV4NativeModel]):
+    """Megatron-Bridge ``ModelProviderMixin`` whose ``provide`` builds the native V4 graph for one stage."""
+
+    hf_config: Any
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    pipeline_layout: Any = None
+    include_mtp: bool = False
+    params_dtype: torch.dtype = torch.float32
+    fp16: bool = False
+    bf16: bool = False
+    v4_config: V4Config | None = field(default=None, init=False)
+    resolved_layout: Layout | None = field(default=None, init=False)
+
+    def finalize(self) -> None:
+        require_deepseek_v4_config(self.hf_config)
+        cfg = V4Config.from_hf(self.hf_config)
+        for name in ("tensor_model_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise UnsupportedConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        validate_parallel_layout(cfg, tp_size=self.tensor_model_parallel_size, ep_size=self.expert_model_parallel_size)
+        stages = self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
+        mtp = cfg.num_mtp_layers if self.include_mtp else 0
+        self.resolved_layout = resolve_pipeline_layout(
+            self.pipeline_layout,
+            num_layers=cfg.num_layers,
+            stages=stages,
+            num_hash_layers=cfg.num_hash_layers,
+            mtp_layers=mtp,
+        )
+        self.v4_config = cfg
+
+    def stage_index(self, vp_stage: int | None) -> int:
+        pp = self.pipeline_model_parallel_size
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
+        return (vp_stage or 0) * pp + pp_rank
+
+    def provide(
+        self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None
+    ) -> DeepseekV4NativeModel:
+        if self.v4_config is None:
+            self.finalize()
+        stage = self.stage_index(vp_stage)
+        tokens = self.resolved_layout[stage]
+        return DeepseekV4NativeModel(
+            self.v4_config,
+            pre_process="embedding" in tokens if pre_process is None else pre_process,
+            post_process="loss" in tokens if post_process is None else post_process,
+            layer_numbers=list(stage_layer_numbers(self.resolved_layout, stage)),
+            include_mtp="mtp" in tokens,
+            params_dtype=self.params_dtype,
+        )
+
+
+def _check_parallel_state(tp: int, ep: int, pp: int) -> None:
+    if not parallel_state.model_parallel_is_initialized():
+        raise UnsupportedConfigError(
+            "megatron parallel state is not initialized: call torch.distributed.init_process_group and "
+            f"parallel_state.initialize_model_parallel(tensor_model_parallel_size={tp}, "
+            f"pipeline_model_parallel_size={pp}, expert_model_parallel_size={ep}) first"
+        )
+    have = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    if have != (tp, ep, pp):
+        raise UnsupportedConfigError(
+            f"requested (tp, ep, pp)={(tp, ep, pp)} but parallel state is initialized as {have}"
+        )
+
+
+def build_native_model(
+    hf_config: Any,
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    pipeline_layout: Any = None,
+    include_mtp: bool = False,
+    pre_wrap_hooks: Sequence[PreWrapHook] = (),
+    wrap_with_ddp: bool = False,
+    ddp_config: DistributedDataParallelConfig | None = None,
+    multi_lora: bool = False,
+) -> list[MegatronModule]:
+    """Build this rank's V4 model chunks; run ``pre_wrap_hooks`` (e.g. LoRA) before any DDP wrapping.
+
+    Everything that can be rejected (non-V4 config, Multi-LoRA, unsupported layout) is rejected
+    before a single parameter is allocated.
+    """
+    reject_multi_lora(multi_lora)
+    require_deepseek_v4_config(hf_config)
+    provider = DeepseekV4NativeProvider(
+        hf_config=hf_config,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_layout=pipeline_layout,
+        include_mtp=include_mtp,
+    )
+    provider.finalize()
+    _check_parallel_state(tp, ep, pp)
+    if wrap_with_ddp and ddp_config is None:
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    return provider.provide_distributed_model(
+        ddp_config=ddp_config,
+        wrap_with_ddp=wrap_with_ddp,
+        fp16=False,
+        bf16=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        pre_wrap_hook=list(pre_wrap_hooks) or None,
+        mixed_precision_wrapper=None,
+    )

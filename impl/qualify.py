@@ -1,0 +1,357 @@
+"""``dsv4-lora qualify``: the whole DeepSeek-V4 LoRA contract, end to end, on one base.
+
+Steps (each a :class:`Check` with a figure and pass/fail):
+
+| check | what it proves |
+|---|---|
+| ``detect`` | the base is exactly ``DeepseekV4ForCausalLM`` |
+| ``coverage`` | every checkpoint tensor maps through the table (0 unmapped, 0 missing) |
+| ``build`` | native graph built by the provider, LoRA applied in a pre-wrap hook before DDP; only adapters train |
+| ``strict_load`` | every native parameter and buffer filled from the checkpoint, nothing left over |
+| ``base_logits`` | with zero-initialised adapters the native logits equal transformers' (max abs diff) |
+| ``train`` | a few optimizer steps: finite loss, finite non-zero updates on every adapter, base bit-identical |
+| ``export`` | adapter-only PEFT export, validated, ``.complete`` written last |
+| ``reload`` | PEFT loads the adapter onto transformers' model of the same base; logits equal the native LoRA model's |
+| ``verify`` | the exported directory passes ``verify-adapter`` checks (files, marker, fingerprint) |
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOLERANCE = 1e-5
+DEFAULT_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+
+
+@dataclass(frozen=True)
+class QualifyOptions:
+    base: str
+    out: str
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    rank: int = 8
+    alpha: float = 16.0
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    dialect: str = "transformers"
+    steps: int = 3
+    lr: float = 2e-3
+    seed: int = 0
+    batch: int = 2
+    seq_len: int | None = None
+    timeout_s: float = 900.0
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool | None  # None: not applicable in this configuration
+    figure: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _sha(t) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy()).hexdigest()
+
+
+class _Progress:
+    def __init__(self, rank: int, total: int):
+        self.rank, self.total, self.i, self.t = rank, total, 0, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.i += 1
+        if self.rank == 0:
+            print(f"  [{self.i}/{self.total}] {what} ...", flush=True)
+
+
+def _pipeline_run(chunk, ids, pos, *, labels=None, backward: bool = False):
+    """Forward (and optionally backward) through the pipeline stages with plain p2p; logits/loss on every rank."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    model = getattr(chunk, "module", chunk)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        out = chunk(ids, pos, labels=labels)
+        if backward:
+            out.mean().backward()
+        return out.detach()
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    shape = (ids.shape[0], ids.shape[1], model.v4_config.hc_mult, model.v4_config.hidden_size)
+    recv = None
+    if not first:
+        recv = torch.empty(shape, dtype=torch.float32)
+        dist.recv(recv, ps.get_pipeline_model_parallel_prev_rank())
+        recv.requires_grad_(backward)
+        model.set_input_tensor(recv)
+    if not last:
+        streams = model.forward_streams(ids, pos)
+        dist.send(streams.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+        if backward:
+            grad = torch.empty_like(streams)
+            dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+            streams.backward(grad)
+        result = None
+    else:
+        out = chunk(ids, pos, labels=labels)
+        if backward:
+            out.mean().backward()
+        result = out.detach()
+    if backward and recv is not None:
+        dist.send(recv.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+    holder = [result]
+    last_rank = ps.get_pipeline_model_parallel_last_rank()
+    dist.broadcast_object_list(holder, src=last_rank, group=ps.get_pipeline_model_parallel_group())
+    return holder[0]
+
+
+def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]:
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from transformers import AutoConfig
+
+    import impl
+    from impl.adapter_gather import gather_adapter_state
+    from impl.dialects import TARGET_BY_NATIVE, official_base_name
+
+    checks: list[Check] = []
+    progress = _Progress(rank, 6)
+
+    def record(name, passed, figure, t0, **detail):
+        checks.append(Check(name, passed, figure, detail, round(time.perf_counter() - t0, 3)))
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=opts.tp,
+        pipeline_model_parallel_size=opts.pp,
+        expert_model_parallel_size=opts.ep,
+        expert_tensor_parallel_size=1,
+        distributed_timeout_minutes=max(1.0, opts.timeout_s / 120),
+    )
+    model_parallel_cuda_manual_seed(opts.seed + 1)
+    base = Path(opts.base)
+    hf_config = AutoConfig.from_pretrained(base)
+
+    progress.step("build native model (strict load + LoRA pre-wrap hooks, then DDP)")
+    t0 = time.perf_counter()
+    loaded: dict[str, Any] = {}
+
+    def load_base(chunks):
+        loaded["report"] = impl.load_official_checkpoint(chunks, base)
+        return chunks
+
+    lora_hook = impl.make_lora_pre_wrap_hook(targets=list(opts.targets), rank=opts.rank, alpha=opts.alpha)
+    chunks = impl.build_native_model(
+        hf_config, tp=opts.tp, ep=opts.ep, pp=opts.pp, pre_wrap_hooks=[load_base, lora_hook], wrap_with_ddp=True
+    )
+    (chunk,) = chunks
+    model = chunk.module
+    handle = lora_hook.handle
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    saved = set(handle.params_to_save)
+    buffered = {id(p) for buf in [*chunk.buffers, *chunk.expert_parallel_buffers] for p in buf.params}
+    ddp_names = {n for n, p in model.named_parameters() if id(p) in buffered}
+    adapters_only = bool(trainable) and all(".adapter." in n for n in trainable)
+    record(
+        "build",
+        adapters_only and ddp_names == trainable and trainable <= {n.removeprefix("module.") for n in saved},
+        f"{sum(len(w) for w in handle.wrapped)} modules wrapped, {len(trainable)} trainable tensors, DDP after hook",
+        t0,
+        wrapped=handle.wrapped,
+        trainable=len(trainable),
+        ddp_buffer_params=len(ddp_names),
+    )
+    report = loaded["report"]
+    totals = report.totals
+    record(
+        "strict_load",
+        totals["unmapped"] == 0 and totals["missing"] == 0 and totals["native_filled"] > 0,
+        f"loaded {totals['loaded']}, declared-not-loaded {totals['declared_not_loaded']}, "
+        f"unmapped {totals['unmapped']}, missing {totals['missing']}",
+        t0,
+        totals=totals,
+        declared=dict(report.declared_not_loaded),
+    )
+
+    from tiny_models.presets import min_seq_len
+
+    seq = opts.seq_len or min_seq_len(hf_config)
+    gen = torch.Generator().manual_seed(opts.seed)
+    eval_ids = torch.randint(0, hf_config.vocab_size, (opts.batch, seq), generator=gen)
+    pos = torch.arange(seq).unsqueeze(0)
+
+    progress.step("base logits vs transformers (zero-initialised adapters)")
+    t0 = time.perf_counter()
+    model.eval()
+    with torch.no_grad():
+        base_logits = _pipeline_run(chunk, eval_ids, pos)
+    oracle_logits = None
+    if rank == 0:
+        from tiny_models.checkpoint import load_oracle
+
+        with torch.no_grad():
+            oracle_logits = load_oracle(base)(eval_ids).logits.float()
+        diff = (base_logits - oracle_logits).abs().max().item()
+        record("base_logits", diff <= TOLERANCE, f"max|Δ|={diff:.2e} (tol {TOLERANCE:g})", t0, max_abs_diff=diff)
+
+    progress.step(f"train {opts.steps} steps")
+    t0 = time.perf_counter()
+    model.train()
+    base_before = {n: _sha(p) for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in adapters.items()}
+    opt = torch.optim.Adam(adapters.values(), lr=opts.lr)
+    losses = []
+    for _ in range(opts.steps):
+        ids = torch.randint(0, hf_config.vocab_size, (opts.batch, seq), generator=gen)
+        labels = torch.roll(ids, -1, dims=1)
+        opt.zero_grad(set_to_none=True)
+        chunk.zero_grad_buffer()
+        loss = _pipeline_run(chunk, ids, pos, labels=labels, backward=True)
+        chunk.finish_grad_sync()
+        for p in adapters.values():  # Megatron DDP accumulates into main_grad
+            p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else p.grad
+        opt.step()
+        losses.append(float(loss.float().mean()))
+    no_update = [n for n, p in adapters.items() if torch.equal(p.detach(), before[n])]
+    non_finite = [n for n, p in adapters.items() if not torch.isfinite(p).all()]
+    base_changed = [n for n, p in model.named_parameters() if not p.requires_grad and _sha(p) != base_before[n]]
+    finite = all(torch.isfinite(torch.tensor(losses)))
+    record(
+        "train",
+        finite and not no_update and not non_finite and not base_changed,
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {len(adapters) - len(no_update)}/{len(adapters)} adapters "
+        f"updated; {len(base_changed)} base tensors changed",
+        t0,
+        losses=losses,
+        not_updated=no_update,
+        non_finite=non_finite,
+        base_changed=base_changed,
+    )
+    model.eval()
+    with torch.no_grad():
+        lora_logits = _pipeline_run(chunk, eval_ids, pos)
+
+    progress.step("export adapter (gather, stage, validate, publish, .complete)")
+    t0 = time.perf_counter()
+    out = Path(opts.out) / "adapter"
+    layers = range(hf_config.num_hidden_layers)
+    fp_names = [official_base_name(n, TARGET_BY_NATIVE[t]) for n in layers for t in _native_leaves(opts.targets)]
+    fingerprint = impl.base_fingerprint(base, fp_names)
+    state = gather_adapter_state(chunks, handle)
+    impl.export_adapter(
+        lambda: state,
+        out,
+        dialect=opts.dialect,
+        base_model_name_or_path=str(base),
+        base_fingerprint=fingerprint,
+        timeout_s=opts.timeout_s / 4,
+    )
+    if rank == 0:
+        files = sorted(p.name for p in out.iterdir())
+        record("export", (out / impl.COMPLETE_MARKER).exists(), f"{len(files)} files: {', '.join(files)}", t0)
+
+        progress.step("reload with PEFT on transformers and compare logits")
+        t0 = time.perf_counter()
+        if opts.dialect == "transformers":
+            from peft import PeftModel
+
+            from tiny_models.checkpoint import load_oracle
+
+            peft_model = PeftModel.from_pretrained(load_oracle(base), out).merge_and_unload()
+            with torch.no_grad():
+                reloaded = peft_model(eval_ids).logits.float()
+            diff = (lora_logits - reloaded).abs().max().item()
+            moved = (lora_logits - oracle_logits).abs().max().item()
+            record(
+                "reload",
+                diff <= TOLERANCE and moved > 0,
+                f"max|Δ|={diff:.2e} (tol {TOLERANCE:g}); adapter moved logits by {moved:.2e}",
+                t0,
+                max_abs_diff=diff,
+                adapter_effect=moved,
+            )
+        else:
+            record("reload", None, f"dialect {opts.dialect!r}: transformers reload applies to 'transformers'", t0)
+
+        progress.step("verify the published adapter against its base")
+        t0 = time.perf_counter()
+        try:
+            impl.validate_adapter_dir(out, base=base)
+            impl.verify_fingerprint(out, base)
+            record("verify", True, "files, marker hashes, names, shapes, finiteness, fingerprint", t0)
+        except impl.Dsv4Error as exc:
+            record("verify", False, f"{type(exc).__name__}: {exc}", t0)
+    return {"rank": rank, "checks": [asdict(c) for c in checks]}
+
+
+def _native_leaves(targets) -> list[str]:
+    from impl.dialects import TARGETS
+
+    by_any = {}
+    for row in TARGETS:
+        by_any[row.native] = by_any[row.official] = by_any[row.transformers] = row.native
+    return [by_any[t] for t in targets if t in by_any]
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("torch", "megatron-core", "megatron-bridge", "transformers", "peft", "safetensors", "dsv4-lora"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = "absent"
+    return out
+
+
+def run_qualify(opts: QualifyOptions, *, nproc: int) -> list[Check]:
+    """Every check, in order (host-side checks first, then rank 0's)."""
+    from impl.coverage import coverage_report
+    from impl.detect import is_deepseek_v4_config, require_deepseek_v4_config
+    from impl.launch import run_on_ranks
+
+    checks: list[Check] = []
+    base = Path(opts.base)
+    t0 = time.perf_counter()
+    config = json.loads((base / "config.json").read_text())
+    if not is_deepseek_v4_config(config):
+        try:
+            require_deepseek_v4_config(config)
+        except Exception as exc:
+            checks.append(Check("detect", False, str(exc), {}, 0.0))
+            return checks
+    checks.append(Check("detect", True, f"architectures[0]={config['architectures'][0]}", {}, 0.0))
+    cov = coverage_report(base)
+    tot = cov.totals
+    checks.append(
+        Check(
+            "coverage",
+            tot.get("unmapped", 0) == 0 and tot.get("missing", 0) == 0,
+            ", ".join(f"{k} {v}" for k, v in tot.items())
+            + "".join(
+                f"; {kind}: {', '.join(names[:5])}"
+                for kind, names in (("unmapped", cov.unmapped), ("missing", cov.missing))
+                if names
+            ),
+            {"totals": tot, "unmapped": cov.unmapped[:20], "missing": cov.missing[:20]},
+            round(time.perf_counter() - t0, 3),
+        )
+    )
+    if not checks[-1].passed:
+        return checks
+    payloads = run_on_ranks(_qualify_rank, opts, nproc=nproc, timeout_s=opts.timeout_s)
+    checks += [Check(**c) for c in payloads[0]["checks"]]
+    for p in payloads[1:]:  # other ranks report only what failed locally
+        checks += [
+            Check(**{**c, "name": f"{c['name']}[rank {p['rank']}]"}) for c in p["checks"] if c["passed"] is False
+        ]
+    return checks

@@ -1,0 +1,80 @@
+"""Train -> gather -> export -> load with real PEFT reproduces the native model's logits (issue 6).
+
+Per layout (TP=1, TP=2, EP=2, PP=2): the native model is built with [load base, LoRA] pre-wrap hooks and DDP,
+trained for a few Adam steps, gathered and exported (transformers dialect, with a base fingerprint). In this
+process, ``peft.PeftModel.from_pretrained(<transformers oracle>, adapter_dir)`` must then give the native logits:
+merged (``merge_and_unload``, required for the grouped ``wo_a``) for the five-target adapter, and PEFT's own
+unmerged forward for an adapter on the four plain targets."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+
+from fixtures.e2e_rank_fns import case_ids, oracle_logits, run_e2e, trained_case
+from tiny_models.checkpoint import load_oracle
+from tiny_models.presets import get_preset, min_seq_len
+
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
+
+PRESET = "tiny-tp"
+BASE_SEED = 5
+LOGIT_TOL = 1e-5
+MIN_TRAINED_EFFECT = 1e-4  # training must move the logits far beyond the tolerance, or the round trip proves nothing
+
+
+def _native_logits(results) -> list[tuple[int, torch.Tensor]]:
+    return [(r.rank, torch.from_numpy(r.payload["logits"])) for r in results if "logits" in r.payload]
+
+
+def _assert_peft_matches(layout, results, ckpt, adapter_dir, *, merge: bool) -> None:
+    case_vocab = get_preset(PRESET).vocab_size
+    ids = case_ids(results.case, case_vocab)
+    base = oracle_logits(load_oracle(ckpt), ids)
+    peft_model = PeftModel.from_pretrained(load_oracle(ckpt), str(adapter_dir))
+    model = peft_model.merge_and_unload() if merge else peft_model.eval()
+    want = oracle_logits(model, ids)
+    effect = (want - base).abs().max().item()
+    assert effect > MIN_TRAINED_EFFECT, f"{layout}: the trained adapter moves the PEFT logits by only {effect:.2e}"
+    native = _native_logits(results.ranks)
+    assert native, f"{layout}: no rank returned logits"
+    for rank, got in native:
+        diff = (got - want).abs().max().item()
+        print(f"{layout} rank {rank} {'merged' if merge else 'unmerged'}: max|Δ|={diff:.3e} (effect {effect:.2e})")
+        assert diff <= LOGIT_TOL, (
+            f"{layout} rank {rank}: native logits differ from PEFT ({'merged' if merge else 'unmerged'}) on the "
+            f"exported adapter by max|Δ|={diff:.3e} > {LOGIT_TOL}"
+        )
+
+
+class _Run:
+    def __init__(self, case, ranks):
+        self.case, self.ranks = case, ranks
+
+
+def _run(impl, tiny_ckpt_factory, layout: str) -> tuple[_Run, str, Path]:
+    ckpt = str(tiny_ckpt_factory(PRESET, seed=BASE_SEED))
+    case, nproc = trained_case(impl.name, ckpt, layout, seq=min_seq_len(get_preset(PRESET)))
+    results = run_e2e(case, nproc=nproc)
+    dirs = {r.payload["export_dir"] for r in results}
+    assert len(dirs) == 1, f"{layout}: ranks disagree on the export directory: {dirs}"
+    return _Run(case, results), ckpt, Path(dirs.pop())
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "ep2", "pp2"])
+def test_trained_five_target_adapter_reloads_in_peft_merged_with_native_logits(impl, tiny_ckpt_factory, layout):
+    run, ckpt, adapter_dir = _run(impl, tiny_ckpt_factory, layout)
+    assert (adapter_dir / impl.COMPLETE_MARKER).is_file(), f"{layout}: {adapter_dir} has no completion marker"
+    impl.validate_adapter_dir(adapter_dir)
+    impl.verify_fingerprint(adapter_dir, ckpt)
+    other = str(tiny_ckpt_factory(PRESET, seed=BASE_SEED + 1))
+    with pytest.raises(impl.FingerprintMismatchError):
+        impl.verify_fingerprint(adapter_dir, other)
+    _assert_peft_matches(layout, run, ckpt, adapter_dir, merge=True)
+
+
+def test_trained_plain_four_target_adapter_reloads_in_peft_unmerged_with_native_logits(impl, tiny_ckpt_factory):
+    run, ckpt, adapter_dir = _run(impl, tiny_ckpt_factory, "tp2-plain")
+    impl.validate_adapter_dir(adapter_dir)
+    _assert_peft_matches("tp2-plain", run, ckpt, adapter_dir, merge=False)

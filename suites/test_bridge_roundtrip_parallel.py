@@ -1,0 +1,56 @@
+"""Official checkpoint -> native chunks (provider-built, TP / EP / PP) -> official state is bit-exact on every rank,
+and the loaded sharded model reproduces the transformers oracle's logits."""
+
+import pytest
+
+from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
+from fixtures.multirank import IMPL_PRELOAD, run_ranks
+from tiny_models.checkpoint import write_checkpoint
+from tiny_models.presets import get_preset, min_seq_len
+
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
+
+PRESET = "tiny-tp"  # every TP / EP split of it is even
+LOGIT_TOL = 1e-5
+FP32_FAMILIES = ("hc_attn_fn", "hc_ffn_base", "hc_head_scale", "attn.attn_sink", "compressor.ape", "ffn.gate.bias")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(PRESET, tmp_path_factory.mktemp("roundtrip"), seed=11)
+
+
+LAYOUTS = {
+    "tp2": {"tp": 2, "logits_seq": min_seq_len(get_preset(PRESET))},
+    "ep2": {"ep": 2, "logits_seq": min_seq_len(get_preset(PRESET))},
+    "pp2": {"pp": 2},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_load_then_export_is_bit_exact_on_every_rank(impl, ckpt, layout):
+    case = RoundTripCase(impl.name, str(ckpt), **LAYOUTS[layout])
+    results = run_ranks(rank_bridge_roundtrip, case, nproc=2, timeout_s=120, preload=IMPL_PRELOAD)
+    for r in results:
+        p = r.payload
+        assert not p["mismatches"], f"{layout} rank {r.rank}: round trip not bit-exact:\n  " + "\n  ".join(
+            p["mismatches"][:40]
+        )
+        assert p["totals"]["unmapped"] == 0 and p["totals"]["missing"] == 0, f"{layout} rank {r.rank}: {p['totals']}"
+        dtypes = p["dtypes"]
+        for name, dtype in dtypes.items():
+            if name.endswith("tid2eid"):
+                assert dtype == "torch.int64", f"{layout} rank {r.rank}: {name} exported as {dtype}, want int64"
+            elif any(name.endswith(f) for f in FP32_FAMILIES) or "hc_" in name:
+                assert dtype == "torch.float32", f"{layout} rank {r.rank}: {name} exported as {dtype}, want fp32"
+        assert any(n.endswith("tid2eid") for n in dtypes), f"{layout}: checkpoint has no hash layer (preset changed?)"
+        if "logit_diff" in p:
+            assert p["logit_diff"] <= LOGIT_TOL, (
+                f"{layout} rank {r.rank}: logits {p['logits_shape']} differ from the transformers oracle by "
+                f"max|Δ|={p['logit_diff']:.3e} > {LOGIT_TOL}"
+            )
+    if layout == "pp2":
+        stages = [
+            {n.split(".")[2] for n in r.payload["native_filled"] if n.startswith("decoder.layers.")} for r in results
+        ]
+        assert all(stages) and not (stages[0] & stages[1]), f"pp2: stages must hold disjoint layers, got {stages}"

@@ -1,0 +1,188 @@
+"""The ``dsv4-lora`` command line, driven as a user drives it (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from fixtures.subproc import run
+
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
+
+QUALIFY_CHECKS = ["detect", "coverage", "build", "strict_load", "base_logits", "train", "export", "reload", "verify"]
+CLI = [sys.executable, "-m", "impl.cli"]
+
+
+def dsv4(*args: str, timeout: float = 600):
+    return run([*CLI, *map(str, args)], timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def qualified(tmp_path_factory) -> Path:
+    """One default ``qualify`` run; its base and adapter are reused by the verify-adapter cases."""
+    out = tmp_path_factory.mktemp("qualify")
+    result = dsv4("qualify", "--out", out, timeout=900)
+    assert result.returncode == 0, f"default qualify failed:\n{result.stdout[-6000:]}\n{result.stderr[-4000:]}"
+    return out
+
+
+def test_every_subcommand_has_help():
+    for sub in ([], ["qualify"], ["verify-adapter"], ["coverage"]):
+        result = dsv4(*sub, "--help", timeout=120)
+        assert result.returncode == 0 and "usage: dsv4-lora" in result.stdout, (sub, result.stderr[-2000:])
+
+
+def test_default_qualify_passes_and_reports_every_check(qualified):
+    report = json.loads((qualified / "qualify.json").read_text())
+    assert report["ok"] is True
+    assert [c["name"] for c in report["checks"]] == QUALIFY_CHECKS
+    failed = [c for c in report["checks"] if c["passed"] is not True]
+    assert not failed, f"checks not passed: {failed}"
+    assert set(report["versions"]) >= {"torch", "megatron-core", "megatron-bridge", "transformers", "peft"}
+    assert (qualified / "adapter" / ".complete").exists()
+    reload = next(c for c in report["checks"] if c["name"] == "reload")
+    assert reload["detail"]["max_abs_diff"] <= 1e-5 < reload["detail"]["adapter_effect"]
+
+
+def _copy_base(qualified: Path, tmp_path: Path) -> Path:
+    base = tmp_path / "base"
+    shutil.copytree(qualified / "base", base)
+    return base
+
+
+def test_qualify_rejects_a_v3_config(qualified, tmp_path):
+    base = _copy_base(qualified, tmp_path)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["DeepseekV3ForCausalLM"], "deepseek_v3"
+    (base / "config.json").write_text(json.dumps(cfg))
+    result = dsv4("qualify", "--base", base, "--out", tmp_path / "out")
+    assert result.returncode == 1
+    assert "detect" in result.stdout and "DeepseekV3ForCausalLM" in result.stdout, result.stdout[-3000:]
+
+
+def test_qualify_rejects_a_corrupt_safetensors_file(qualified, tmp_path):
+    base = _copy_base(qualified, tmp_path)
+    (st,) = base.glob("*.safetensors")
+    st.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    result = dsv4("qualify", "--base", base, "--out", tmp_path / "out")
+    assert result.returncode == 1
+    assert st.name in result.stdout + result.stderr, (result.stdout[-3000:], result.stderr[-3000:])
+
+
+def test_qualify_names_a_missing_tensor(qualified, tmp_path):
+    base = _copy_base(qualified, tmp_path)
+    (st,) = base.glob("*.safetensors")
+    tensors = load_file(st)
+    del tensors["layers.1.attn.wq_b.weight"]
+    save_file(tensors, st)
+    result = dsv4("qualify", "--base", base, "--out", tmp_path / "out")
+    assert result.returncode == 1
+    assert "layers.1.attn.wq_b.weight" in result.stdout, result.stdout[-3000:]
+
+
+def test_qualify_rejects_a_bad_target(qualified, tmp_path):
+    result = dsv4("qualify", "--base", qualified / "base", "--targets", "wq_a,no_such_proj", "--out", tmp_path / "out")
+    assert result.returncode == 1
+    text = result.stdout + result.stderr
+    assert "no_such_proj" in text and "TargetError" in text, text[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- verify-adapter
+
+
+def _tamper_tensors(adapter: Path, edit) -> None:
+    st = adapter / "adapter_model.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(st), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(st)
+    edit(tensors)
+    save_file(tensors, st, metadata=meta)
+
+
+def _key(tensors, fragment: str, half: str) -> str:
+    return next(k for k in sorted(tensors) if fragment in k and f".{half}." in k)
+
+
+def _indexer(adapter: Path, base: Path) -> None:
+    def edit(t):
+        a = _key(t, "layers.0.self_attn.q_b_proj", "lora_A")
+        b = _key(t, "layers.0.self_attn.q_b_proj", "lora_B")
+        t[a.replace("self_attn.q_b_proj", "self_attn.compressor.indexer.q_b_proj")] = t.pop(a)
+        t[b.replace("self_attn.q_b_proj", "self_attn.compressor.indexer.q_b_proj")] = t.pop(b)
+
+    _tamper_tensors(adapter, edit)
+
+
+def _wrong_shape_b(adapter: Path, base: Path) -> None:
+    _tamper_tensors(adapter, lambda t: t.__setitem__(k := _key(t, "o_b_proj", "lora_B"), t[k][:-1].clone()))
+
+
+def _nan(adapter: Path, base: Path) -> None:
+    def edit(t):
+        k = _key(t, "kv_proj", "lora_A")
+        t[k] = t[k].clone()
+        t[k][0, 0] = float("nan")
+
+    _tamper_tensors(adapter, edit)
+
+
+def _missing_half(adapter: Path, base: Path) -> None:
+    _tamper_tensors(adapter, lambda t: t.pop(_key(t, "q_a_proj", "lora_B")))
+
+
+def _other_base(adapter: Path, base: Path) -> None:
+    (st,) = base.glob("*.safetensors")
+    tensors = load_file(st)
+    tensors["layers.0.attn.wq_a.weight"] = tensors["layers.0.attn.wq_a.weight"] + 1.0
+    save_file(tensors, st)
+
+
+def _no_marker(adapter: Path, base: Path) -> None:
+    (adapter / ".complete").unlink()
+
+
+def _stale_marker(adapter: Path, base: Path) -> None:
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["lora_dropout"] = 0.5  # a different adapter now sits next to the old marker
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+TAMPER = {
+    "indexer-wrapping": (_indexer, "compressor.indexer.q_b_proj"),
+    "wrong-shape-lora_B": (_wrong_shape_b, "o_b_proj.lora_B"),
+    "nan": (_nan, "NaN"),
+    "missing-half": (_missing_half, "only ['lora_A'] present"),
+    "mismatched-base": (_other_base, "layers.0.attn.wq_a.weight"),
+    "missing-complete": (_no_marker, ".complete: missing"),
+    "stale-complete": (_stale_marker, "stale"),
+}
+
+
+def test_verify_adapter_accepts_the_qualified_adapter(qualified):
+    result = dsv4("verify-adapter", "--base", qualified / "base", "--adapter", qualified / "adapter", "--forward")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "PASSED" in result.stdout and "forward" in result.stdout
+
+
+@pytest.mark.parametrize("case", sorted(TAMPER))
+def test_verify_adapter_catches(qualified, tmp_path, case):
+    tamper, expected = TAMPER[case]
+    base, adapter = _copy_base(qualified, tmp_path), tmp_path / "adapter"
+    shutil.copytree(qualified / "adapter", adapter)
+    tamper(adapter, base)
+    result = dsv4("verify-adapter", "--base", base, "--adapter", adapter)
+    assert result.returncode == 1, f"{case}: verify-adapter passed a tampered adapter:\n{result.stdout[-3000:]}"
+    assert expected in result.stdout, f"{case}: problem list does not name {expected!r}:\n{result.stdout[-3000:]}"
+
+
+def test_coverage_of_the_flash_manifest_is_complete():
+    result = dsv4("coverage", "--manifest", "flash", "--limit", "5", timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "unmapped 0" in result.stdout and "missing 0" in result.stdout

@@ -1,0 +1,53 @@
+"""The native provider: V4 only, layouts checked before construction, PEFT hooks before DDP."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures.multirank import IMPL_PRELOAD, run_ranks
+from fixtures.rank_fns import ProviderCase, rank_provider_hook_before_ddp
+from tiny_models.presets import get_preset
+
+pytestmark = pytest.mark.cpu
+
+
+def test_ddp_is_built_after_the_pre_wrap_hook():
+    """DDP's gradient buffers hold exactly the parameters the hook left trainable."""
+    case = ProviderCase(preset="tiny-mixed", trainable_prefix="decoder.layers.0.self_attention.wq_b")
+    (result,) = [
+        r.payload for r in run_ranks(rank_provider_hook_before_ddp, case, nproc=1, timeout_s=240, preload=IMPL_PRELOAD)
+    ]
+    assert result["hook_saw"] == ["DeepseekV4NativeModel"], "the hook must see bare, unwrapped chunks"
+    assert result["wrapped_types"] == ["DistributedDataParallel"]
+    assert result["trainable"] == ["decoder.layers.0.self_attention.wq_b.weight"]
+    assert result["ddp_buffer_params"] == result["trainable"], (
+        f"DDP buffers {result['ddp_buffer_params']} != trainable after hook {result['trainable']}"
+    )
+
+
+def test_multi_lora_is_rejected_before_anything_is_built(impl):
+    with pytest.raises(impl.MultiLoRAUnsupportedError, match="Multi-LoRA"):
+        impl.build_native_model(get_preset("tiny-mixed"), multi_lora=True)
+
+
+def test_non_v4_config_is_never_routed_to_the_native_provider(impl):
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(impl.NotDeepseekV4Error, match="DeepseekV3ForCausalLM"):
+        impl.build_native_model(cfg)
+
+
+@pytest.mark.parametrize(
+    ("tp", "ep", "match"),
+    [(3, 1, "tensor_model_parallel_size=3"), (1, 3, "expert")],
+    ids=["heads-not-divisible-by-tp", "experts-not-divisible-by-ep"],
+)
+def test_unsupported_parallel_layouts_are_rejected_before_construction(impl, tp, ep, match):
+    with pytest.raises(impl.UnsupportedConfigError, match=match):
+        impl.build_native_model(get_preset("tiny-tp"), tp=tp, ep=ep)
+
+
+def test_uninitialized_parallel_state_is_a_clear_error(impl):
+    with pytest.raises(impl.UnsupportedConfigError, match="initialize_model_parallel"):
+        impl.build_native_model(get_preset("tiny-mixed"))
