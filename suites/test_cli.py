@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from fixtures.subproc import run
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
 
 QUALIFY_CHECKS = ["detect", "coverage", "build", "strict_load", "base_logits", "train", "export", "reload", "verify"]
 CLI = [sys.executable, "-m", "impl.cli"]

@@ -11,7 +11,7 @@ import pytest
 from fixtures.e2e_rank_fns import run_e2e, trained_case
 from tiny_models.presets import get_preset, min_seq_len
 
-pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("lora-e2e")]
 
 PRESET = "tiny-tp"
 BASE_SEED = 5  # the same run as suites/test_adapter_roundtrip.py (shared within one process)
