@@ -131,6 +131,16 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "DeepseekV4NativeProvider",
         "build_native_model",
     ),
+    "impl.recipe": (
+        "CHECKPOINT_ENV",
+        "FLASH_SHAPE",
+        "DeepseekV4LoRARecipe",
+        "ModelShape",
+        "OptimizerSettings",
+        "deepseek_v4_flash_lora_recipe",
+        "tiny_variant",
+        "to_qualify_args",
+    ),
     "impl.qualify": (
         "QualifyOptions",
         "run_qualify",

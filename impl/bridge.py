@@ -49,7 +49,6 @@ from megatron.bridge.models.conversion.param_mapping import (
     ReplicatedMapping,
     RowParallelMapping,
 )
-from megatron.bridge.models.conversion.quantization_utils import maybe_dequantize_hf_quantized_weight
 from megatron.bridge.models.conversion.utils import persistent_buffers
 from megatron.core import parallel_state
 from safetensors import safe_open
@@ -57,6 +56,11 @@ from torch import nn
 
 from impl.errors import CheckpointMappingError, ConversionOnlyBridgeError, CorruptCheckpointError, QuantizationError
 from impl.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
+
+try:  # Megatron-Bridge >= 0.5.0 dequantizes FP8 / MXFP4 checkpoint weights; 0.4.x has no such module.
+    from megatron.bridge.models.conversion.quantization_utils import maybe_dequantize_hf_quantized_weight
+except ModuleNotFoundError:
+    maybe_dequantize_hf_quantized_weight = None
 
 __all__ = [
     "MAPPING_CLASSES",
@@ -128,6 +132,8 @@ class DeepseekV4ConversionBridge(MegatronModelBridge):
         return MegatronMappingRegistry(*build_v4_mappings(), *get_common_mapping_list())
 
     def maybe_modify_loaded_hf_weight(self, hf_param: str | dict[str, str], hf_state_dict: Mapping[str, Any]) -> Any:
+        if maybe_dequantize_hf_quantized_weight is None:
+            return super().maybe_modify_loaded_hf_weight(hf_param, hf_state_dict)
         return maybe_dequantize_hf_quantized_weight(hf_param, hf_state_dict)
 
 
@@ -317,7 +323,7 @@ def _effective_shape(name: str, headers: dict[str, _Header]) -> tuple[int, ...]:
 _SCALE_DTYPES = ("F8_E8M0", "F32")  # UE8M0 (instruct) or F32 (*-Base) block scales, v4_architecture.md §3.3
 _PLAIN_DTYPES = ("F32", "BF16", "F16", "I64", "I32")
 _FP8_BLOCK, _MXFP4_BLOCK = 128, 32
-_QUANT_PREFIXES = ("unscaled ", "bad scale ", "bad quantized weight ")
+_QUANT_PREFIXES = ("unscaled ", "bad scale ", "bad quantized weight ", "undequantizable ")
 
 
 def _quantization_problems(name: str, headers: dict[str, _Header]) -> list[str]:
@@ -330,6 +336,12 @@ def _quantization_problems(name: str, headers: dict[str, _Header]) -> list[str]:
         "re-quantize it (FP8 E4M3 + 128x128 scales, or MXFP4 int8 + [out, in/32] UE8M0 scales) or store it unquantized"
     )
     if h.dtype in ("F8_E4M3", "I8"):
+        if maybe_dequantize_hf_quantized_weight is None:
+            return [
+                f"undequantizable {name}: {h.dtype} weight, but this megatron-bridge has no "
+                "models.conversion.quantization_utils dequantizer (added in 0.5.0); use megatron-bridge>=0.5 "
+                "or store the checkpoint unquantized"
+            ]
         if sh is None:
             return [f"unscaled {name}: {h.dtype} weight {h.shape} has no {scale} companion; {fix}"]
         if len(h.shape) != 2:
@@ -390,6 +402,13 @@ def _all_gather(obj: Any) -> list[Any]:
         dist.all_gather_object(out, obj)
         return out
     return [obj]
+
+
+def _read_official(hf_param: str | dict[str, str], state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Any:
+    if maybe_dequantize_hf_quantized_weight is not None:
+        return maybe_dequantize_hf_quantized_weight(hf_param, state, dtype=dtype)
+    # No dequantizer: validation already rejected every quantized weight, so these are plain tensors.
+    return {k: state[v] for k, v in hf_param.items()} if isinstance(hf_param, dict) else state[hf_param]
 
 
 def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir: str | Path) -> LoadReport:
@@ -468,7 +487,7 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
     state = _LazyState(ckpt, headers)
     with torch.no_grad():
         for nt, mapping, _row in plan:
-            hf = maybe_dequantize_hf_quantized_weight(mapping.hf_param, state, dtype=nt.tensor.dtype)
+            hf = _read_official(mapping.hf_param, state, nt.tensor.dtype)
             converted = mapping.hf_to_megatron(hf, nt.module)
             if converted.shape != nt.tensor.shape:  # defensive: validation should make this unreachable
                 raise CheckpointMappingError(

@@ -49,6 +49,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         steps=args.steps,
         seed=args.seed,
         timeout_s=args.timeout,
+        oracle=not args.no_oracle,
     )
     print(f"qualify: base={opts.base} tp={opts.tp} ep={opts.ep} pp={opts.pp} ranks={nproc} targets={','.join(targets)}")
     t0 = time.perf_counter()
@@ -139,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dialect", default="transformers", choices=["transformers", "official", "sglang"])
     q.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument(
+        "--no-oracle",
+        action="store_true",
+        help="skip the transformers comparisons (base_logits, reload): a full-size oracle does not fit one host",
+    )
     q.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is stopped")
     q.add_argument("--out", default="out/qualify", help="output directory (adapter, base, report)")
     q.add_argument("--json", default=None, help="JSON report path (default OUT/qualify.json)")

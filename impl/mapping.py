@@ -68,7 +68,7 @@ exactly-once by construction: the table refuses duplicate patterns, literal digi
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -371,22 +371,110 @@ class NativeMatch(NamedTuple):
     official: tuple[str, ...]
 
 
+# The hot path. Both indexes are compiled into one regex each: a character trie of the patterns, ``*`` as an
+# ``(\d+)`` group, every pattern ending in an empty marker group, so one C-level ``fullmatch`` names the row
+# (``lastindex`` = its marker) and holds the captures. Every branch of every alternation starts with a distinct
+# literal (or ``\d``), which sre skips on the first character, so matching is linear in the name. This is the
+# same relation as "normalize, then look the key up" (``*`` is a whole inner segment and no literal segment is
+# all digits, both checked by ``_check_pattern``); :func:`_check_compiled` proves it on every pattern at import.
+_END = object()  # trie leaf key
+
+
+def _percent_template(pattern: str) -> str:
+    return pattern.replace("%", "%%").replace("*", "%s")
+
+
+def _compile_index(
+    index: Mapping[str, _Entry], other_side: Callable[[MappingRow], tuple[str, ...]]
+) -> tuple[re.Pattern[str], list[Any]]:
+    trie: dict[Any, Any] = {}
+    for pattern, entry in index.items():
+        node = trie
+        for i, literal in enumerate(pattern.split("*")):
+            if i:
+                node = node.setdefault("*", {})
+            for ch in literal:
+                node = node.setdefault(ch, {})
+        node[_END] = (pattern, entry)
+    leaves: dict[int, tuple[str, _Entry, tuple[int, ...]]] = {}
+    n_groups = 0
+
+    def emit(node: dict[Any, Any], captures: tuple[int, ...]) -> str:
+        nonlocal n_groups
+        chain = []
+        while len(node) == 1 and _END not in node and "*" not in node:  # a literal run: no alternation
+            ((ch, node),) = node.items()
+            chain.append(re.escape(ch))
+        branches = []
+        for key, child in node.items():
+            if key is _END:
+                continue
+            if key == "*":
+                n_groups += 1
+                branches.append(r"(\d+)" + emit(child, (*captures, n_groups)))
+            else:
+                branches.append(re.escape(key) + emit(child, captures))
+        if _END in node:  # last: a longer pattern sharing this prefix is tried first
+            n_groups += 1
+            leaves[n_groups] = (*node[_END], captures)
+            branches.append("()")
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return "".join(chain) + body
+
+    regex = re.compile(emit(trie, ()))
+    by_marker: list[Any] = [None] * (n_groups + 1)
+    for marker, (_pattern, entry, captures) in leaves.items():
+        other = other_side(entry.row)
+        targets = tuple(_percent_template(t) for t in other) if captures else other
+        by_marker[marker] = (entry.row, captures, targets, entry.role)
+    return regex, by_marker
+
+
+_OFFICIAL_RE, _OFFICIAL_LEAVES = _compile_index(_OFFICIAL_INDEX, lambda row: (row.native,))
+_NATIVE_RE, _NATIVE_LEAVES = _compile_index(_NATIVE_INDEX, lambda row: row.official_names)
+_OFFICIAL_FULLMATCH, _NATIVE_FULLMATCH = _OFFICIAL_RE.fullmatch, _NATIVE_RE.fullmatch
+_new_tuple = tuple.__new__  # builds the NamedTuple without its Python-level __new__
+
+
 def lookup_official(name: str) -> OfficialMatch | None:
     """Resolve an official checkpoint name; None if no row claims it."""
-    key, captures = normalize(name)
-    hit = _OFFICIAL_INDEX.get(key)
-    if hit is None:
+    m = _OFFICIAL_FULLMATCH(name)
+    if m is None:
         return None
-    return OfficialMatch(name, hit.row, hit.target[0].format(*captures), hit.role)
+    row, captures, targets, role = _OFFICIAL_LEAVES[m.lastindex]
+    return _new_tuple(OfficialMatch, (name, row, targets[0] % m.group(*captures) if captures else targets[0], role))
 
 
 def lookup_native(name: str) -> NativeMatch | None:
     """Resolve a native (global-index) parameter / buffer name; None if no row claims it."""
-    key, captures = normalize(name)
-    hit = _NATIVE_INDEX.get(key)
-    if hit is None:
+    m = _NATIVE_FULLMATCH(name)
+    if m is None:
         return None
-    return NativeMatch(name, hit.row, tuple(t.format(*captures) for t in hit.target))
+    row, captures, targets, _ = _NATIVE_LEAVES[m.lastindex]
+    if not captures:
+        return _new_tuple(NativeMatch, (name, row, targets))
+    caps = m.group(*captures)  # one str, or a tuple of them: either is what ``%`` wants
+    if len(targets) == 1:
+        return _new_tuple(NativeMatch, (name, row, (targets[0] % caps,)))
+    return _new_tuple(NativeMatch, (name, row, (targets[0] % caps, targets[1] % caps)))
+
+
+def _check_compiled() -> None:
+    """Every pattern, instantiated, resolves through the regex exactly as through normalize + dict lookup."""
+    for index, lookup in ((_OFFICIAL_INDEX, lookup_official), (_NATIVE_INDEX, lookup_native)):
+        for pattern, entry in index.items():
+            caps = [str(7 + 10 * i) for i in range(pattern.count("*"))]
+            name = fill(pattern, caps)
+            key, got_caps = normalize(name)
+            hit = lookup(name)
+            other = tuple(t.format(*got_caps) for t in entry.target)
+            want = (entry.row, other[0], entry.role) if lookup is lookup_official else (entry.row, other)
+            got = None if hit is None else tuple(hit[1:])
+            if key != pattern or got != want:
+                raise MappingTableError(f"compiled resolver disagrees on {name!r}: {got} != {want}")
+
+
+_check_compiled()
 
 
 def scale_base(name: str) -> str | None:

@@ -1,0 +1,333 @@
+"""A LoRA recipe for DeepSeek-V4-Flash on 4 nodes x 8 GPUs, and its tiny twin that runs on 2 CPU ranks.
+
+Megatron-Bridge 0.6.2 ships DeepSeek-V4-Flash SFT recipes (``deepseek_v4_flash_sft_32gpu_h100_bf16_config``:
+TP=1, PP=4, EP=8, alltoall dispatcher, recompute ``moe_act``/``mhc``, Adam, bf16) but no LoRA/PEFT recipe.
+:func:`deepseek_v4_flash_lora_recipe` keeps the SFT parallel layout and adds the LoRA settings.
+:func:`tiny_variant` keeps every structural choice (targets, rank/alpha, generated pipeline layout with hash
+layers on stage 0 and MTP + loss last, optimizer, hardware gate) and shrinks the model to a tiny preset on
+2 ranks, so :func:`to_qualify_args` drives the same recipe through ``dsv4-lora qualify`` on a CPU host.
+
+Importing this module does not import megatron (the launch scripts build recipes cheaply).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from impl.errors import UnsupportedConfigError
+from impl.hardware import FusedKernelDefaults, fused_kernel_defaults
+from impl.pipeline import Layout, generate_pipeline_layout, validate_pipeline_layout
+
+__all__ = [
+    "CHECKPOINT_ENV",
+    "FLASH_SHAPE",
+    "DeepseekV4LoRARecipe",
+    "ModelShape",
+    "OptimizerSettings",
+    "deepseek_v4_flash_lora_recipe",
+    "tiny_variant",
+    "to_qualify_args",
+]
+
+CHECKPOINT_ENV = "DSV4_FLASH_CHECKPOINT"
+#: The five attention projections (native names). ``wo_a`` is the grouped output projection: it gets the
+#: block-diagonal grouped LoRA of impl.lora, which plain PEFT-on-transformers recipes must skip.
+ATTENTION_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture facts a parallel layout depends on."""
+
+    name: str
+    num_layers: int
+    num_hash_layers: int
+    mtp_layers: int
+    num_experts: int
+    num_heads: int
+    o_groups: int
+    vocab_size: int
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, name: str = "") -> ModelShape:
+        return cls(
+            name=name or getattr(hf_config, "name_or_path", "") or "deepseek_v4",
+            num_layers=hf_config.num_hidden_layers,
+            num_hash_layers=_hash_prefix(hf_config),
+            mtp_layers=getattr(hf_config, "num_nextn_predict_layers", 0) or 0,
+            num_experts=hf_config.n_routed_experts,
+            num_heads=hf_config.num_attention_heads,
+            o_groups=hf_config.o_groups,
+            vocab_size=hf_config.vocab_size,
+        )
+
+
+def _hash_prefix(hf_config: Any) -> int:
+    # transformers folds num_hash_layers into mlp_layer_types (a "hash_moe" prefix)
+    types = getattr(hf_config, "mlp_layer_types", None)
+    if types is None:
+        return getattr(hf_config, "num_hash_layers", 0) or 0
+    count = 0
+    while count < len(types) and types[count] == "hash_moe":
+        count += 1
+    return count
+
+
+#: DeepSeek-V4-Flash, from the published config.json (v4_architecture.md §2.1).
+FLASH_SHAPE = ModelShape(
+    name="DeepSeek-V4-Flash",
+    num_layers=43,
+    num_hash_layers=3,
+    mtp_layers=1,
+    num_experts=256,
+    num_heads=64,
+    o_groups=8,
+    vocab_size=129280,
+)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam on the adapters only (the base is frozen, so these settings touch only LoRA A/B)."""
+
+    name: str = "adam"
+    lr: float = 1e-4  # the usual LoRA lr for 7B+ bases; 10x the SFT lr because only low-rank factors move
+    min_lr: float = 1e-5
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 50  # LoRA B starts at zero: a short warmup keeps the first updates from overshooting
+    train_iters: int = 1000
+    weight_decay: float = 0.0  # decay would pull the adapters toward 0, i.e. toward "no fine-tuning"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = True  # upstream SFT is Adam/bf16 only (MXFP8 and Muon SFT fail upstream)
+
+
+@dataclass(frozen=True)
+class DeepseekV4LoRARecipe:
+    """Everything a DeepSeek-V4 LoRA run needs; validated on construction (raises UnsupportedConfigError)."""
+
+    model: ModelShape
+    nodes: int
+    gpus_per_node: int
+    tp: int
+    pp: int
+    ep: int
+    pipeline_layout: Layout
+    vpp: int | None = None
+    targets: tuple[str, ...] = ATTENTION_TARGETS
+    # r=16 / alpha=32 / dropout=0.05: the public DeepSeek-V4-Flash PEFT recipe (self-llm PR #512); alpha = 2r
+    # keeps the update scale alpha/r = 2 independent of r, and 0.05 dropout is the common small-data regulariser.
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.05
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    fused: FusedKernelDefaults = field(default_factory=fused_kernel_defaults)
+    micro_batch_size: int = 1
+    global_batch_size: int = 128
+    seq_length: int = 4096  # Megatron-Bridge's V4 provider default
+    moe_token_dispatcher_type: str = "alltoall"  # the SFT recipe's choice (flex/HybridEP needs DeepEP kernels)
+    recompute_modules: tuple[str, ...] = ("moe_act", "mhc")
+    include_mtp: bool = True  # MTP is built and trained through; its adapters are not exported (PEFT has no MTP)
+    checkpoint: str | None = None
+    preset: str | None = None  # tiny variants: the tiny_models preset the qualify base is written from
+
+    def __post_init__(self) -> None:
+        m = self.model
+        problems = []
+        for name in ("nodes", "gpus_per_node", "tp", "pp", "ep", "micro_batch_size", "global_batch_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be >= 1")
+        if problems:
+            raise UnsupportedConfigError(f"recipe for {m.name}: " + "; ".join(problems))
+        world = self.world_size
+        if world % (self.tp * self.pp):
+            problems.append(
+                f"world size {world} ({self.nodes} nodes x {self.gpus_per_node} GPUs) is not divisible by "
+                f"TP*PP={self.tp * self.pp}; data parallelism must be a whole number"
+            )
+        elif world % (self.pp * self.ep):
+            # megatron-core: world % (ETP * EP * PP) == 0 with expert TP = 1
+            problems.append(
+                f"world size {world} is not divisible by PP*EP={self.pp * self.ep} (expert-parallel groups)"
+            )
+        if m.num_experts % self.ep:
+            problems.append(f"EP={self.ep} does not divide the {m.num_experts} routed experts of {m.name}")
+        if m.num_heads % self.tp or m.o_groups % self.tp or m.vocab_size % self.tp:
+            problems.append(
+                f"TP={self.tp} must divide num_heads={m.num_heads}, o_groups={m.o_groups} and vocab={m.vocab_size}"
+            )
+        if not problems and self.global_batch_size % (self.micro_batch_size * self.data_parallel_size):
+            problems.append(
+                f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size*DP="
+                f"{self.micro_batch_size}*{self.data_parallel_size}"
+            )
+        if not self.targets or any(t not in ATTENTION_TARGETS for t in self.targets):
+            problems.append(f"targets {list(self.targets)} must be a non-empty subset of {list(ATTENTION_TARGETS)}")
+        if self.lora_rank < 1 or self.lora_alpha <= 0 or not 0.0 <= self.lora_dropout < 1.0:
+            problems.append(
+                f"LoRA rank={self.lora_rank}, alpha={self.lora_alpha}, dropout={self.lora_dropout}: "
+                "need rank >= 1, alpha > 0, 0 <= dropout < 1"
+            )
+        if problems:
+            raise UnsupportedConfigError(
+                f"recipe for {m.name} (TP={self.tp} PP={self.pp} EP={self.ep}, {world} ranks) is not runnable: "
+                + "; ".join(problems)
+                + ". Change the parallel sizes or the node count."
+            )
+        if len(self.pipeline_layout) != self.stages:
+            raise UnsupportedConfigError(
+                f"pipeline layout has {len(self.pipeline_layout)} stages but PP*VPP={self.stages}; regenerate it "
+                "with impl.generate_pipeline_layout"
+            )
+        validate_pipeline_layout(
+            self.pipeline_layout,
+            num_layers=m.num_layers,
+            num_hash_layers=m.num_hash_layers,
+            mtp_layers=m.mtp_layers if self.include_mtp else 0,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        return self.world_size // (self.pp * self.ep)
+
+    @property
+    def stages(self) -> int:
+        return self.pp * (self.vpp or 1)
+
+    @property
+    def grad_accumulation_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    def tiny_variant(self, **kwargs: Any) -> DeepseekV4LoRARecipe:
+        return tiny_variant(self, **kwargs)
+
+
+def _layout_for(model: ModelShape, stages: int, include_mtp: bool) -> Layout:
+    return generate_pipeline_layout(
+        model.num_layers,
+        stages,
+        num_hash_layers=model.num_hash_layers,
+        mtp_layers=model.mtp_layers if include_mtp else 0,
+    )
+
+
+def _checkpoint_from_env() -> str | None:
+    return os.environ.get(CHECKPOINT_ENV) or None
+
+
+def deepseek_v4_flash_lora_recipe(
+    *, nodes: int = 4, gpus_per_node: int = 8, tp: int = 1, pp: int = 4, ep: int = 8, vpp: int | None = None
+) -> DeepseekV4LoRARecipe:
+    """LoRA on DeepSeek-V4-Flash's five attention projections: 32 GPUs, TP=1 PP=4 EP=8 (DP derived = 8).
+
+    The fused-kernel defaults are read from this host's GPU now (True on Blackwell, False elsewhere);
+    the base checkpoint path comes from ``$DSV4_FLASH_CHECKPOINT``.
+    """
+    if min(tp, pp, ep, vpp or 1) < 1:
+        raise UnsupportedConfigError(f"parallel sizes must be >= 1, got TP={tp} PP={pp} EP={ep} VPP={vpp}")
+    return DeepseekV4LoRARecipe(
+        model=FLASH_SHAPE,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        vpp=vpp,
+        pipeline_layout=_layout_for(FLASH_SHAPE, pp * (vpp or 1), include_mtp=True),
+        fused=fused_kernel_defaults(),
+        checkpoint=_checkpoint_from_env(),
+    )
+
+
+def tiny_variant(
+    recipe: DeepseekV4LoRARecipe | None = None, *, preset: str = "tiny-tp", tp: int = 1, pp: int = 2, ep: int = 1
+) -> DeepseekV4LoRARecipe:
+    """The same recipe on a tiny preset and ``tp*pp*ep`` CPU ranks (default 2: TP=1, PP=2, EP=1).
+
+    Kept: targets, LoRA rank/alpha/dropout, optimizer, dispatcher, recompute, MTP, the layout rule (generated,
+    hash layers on stage 0, MTP + loss last) and the hardware gate (re-evaluated here). Changed: the model,
+    node/GPU counts, batch (DP x 1 micro-batch x 2) and sequence length (the preset's shortest full-coverage one).
+    """
+    from tiny_models.presets import get_preset, min_seq_len
+
+    base = recipe or deepseek_v4_flash_lora_recipe()
+    hf_config = get_preset(preset)
+    model = ModelShape.from_hf(hf_config, name=preset)
+    world = tp * pp * ep
+    dp = world // (tp * pp)
+    return replace(
+        base,
+        model=model,
+        nodes=1,
+        gpus_per_node=world,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        vpp=None,
+        pipeline_layout=_layout_for(model, pp, base.include_mtp),
+        fused=fused_kernel_defaults(),
+        micro_batch_size=1,
+        global_batch_size=2 * dp,
+        seq_length=min_seq_len(hf_config),
+        checkpoint=None,
+        preset=preset,
+    )
+
+
+def to_qualify_args(
+    recipe: DeepseekV4LoRARecipe, *, out: str = "out/qualify", steps: int = 3, seed: int = 0, timeout_s: float = 900.0
+) -> list[str]:
+    """``dsv4-lora`` argv (starting with ``qualify``) that runs the whole contract on this recipe's layout.
+
+    A recipe with a checkpoint qualifies that base; a tiny variant lets qualify write its preset's base.
+    qualify has no dropout/optimizer flags: it trains with dropout 0 so adapter logits are comparable exactly.
+    """
+    if recipe.vpp:
+        raise UnsupportedConfigError(f"dsv4-lora qualify runs one chunk per rank; recipe has VPP={recipe.vpp}")
+    if recipe.checkpoint:
+        source = ["--base", recipe.checkpoint]
+    elif recipe.preset:
+        source = ["--preset", recipe.preset]
+    else:
+        raise UnsupportedConfigError(
+            f"recipe for {recipe.model.name} has no checkpoint: set ${CHECKPOINT_ENV} to the official-layout "
+            "checkpoint directory before building the recipe"
+        )
+    return [
+        "qualify",
+        *source,
+        "--targets",
+        ",".join(recipe.targets),
+        "--rank",
+        str(recipe.lora_rank),
+        "--alpha",
+        str(recipe.lora_alpha),
+        "--tp",
+        str(recipe.tp),
+        "--pp",
+        str(recipe.pp),
+        "--ep",
+        str(recipe.ep),
+        "--nproc",
+        str(recipe.world_size),
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--timeout",
+        str(timeout_s),
+        "--out",
+        str(out),
+    ]
