@@ -22,9 +22,10 @@ def dsv4(*args: str, timeout: float = 600):
     return run([*CLI, *map(str, args)], timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def qualified(tmp_path_factory) -> Path:
-    """One default ``qualify`` run; its base and adapter are reused by the verify-adapter cases."""
+    """One default ``qualify`` run per worker (session scope: xdist may interleave modules, which would tear a
+    module fixture down and run it again); its base and adapter are reused by the other cases, never modified."""
     out = tmp_path_factory.mktemp("qualify")
     result = dsv4("qualify", "--out", out, timeout=900)
     assert result.returncode == 0, f"default qualify failed:\n{result.stdout[-6000:]}\n{result.stderr[-4000:]}"

@@ -48,6 +48,10 @@ def test_unsupported_parallel_layouts_are_rejected_before_construction(impl, tp,
         impl.build_native_model(get_preset("tiny-tp"), tp=tp, ep=ep)
 
 
-def test_uninitialized_parallel_state_is_a_clear_error(impl):
+def test_uninitialized_parallel_state_is_a_clear_error(impl, monkeypatch):
+    from megatron.core import parallel_state
+
+    # Another test in this worker may have initialised it; simulate a fresh process.
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
     with pytest.raises(impl.UnsupportedConfigError, match="initialize_model_parallel"):
         impl.build_native_model(get_preset("tiny-mixed"))
