@@ -327,6 +327,17 @@ _QUANT_PREFIXES = ("unscaled ", "bad scale ", "bad quantized weight ", "undequan
 
 
 def _quantization_problems(name: str, headers: dict[str, _Header]) -> list[str]:
+    problems = _scale_problems(name, headers)
+    if maybe_dequantize_hf_quantized_weight is None and headers[name].dtype in ("F8_E4M3", "I8"):
+        problems.append(
+            f"undequantizable {name}: {headers[name].dtype} weight, but this megatron-bridge has no "
+            "models.conversion.quantization_utils dequantizer (added in 0.5.0); use megatron-bridge>=0.5 "
+            "or store the checkpoint unquantized"
+        )
+    return problems
+
+
+def _scale_problems(name: str, headers: dict[str, _Header]) -> list[str]:
     """Header-only checks of one consumed weight and its ``.scale`` companion (Megatron-Bridge's dequantizer
     silently casts an FP8 weight without a scale, and ignores a scale next to an unquantized weight)."""
     h = headers[name]
@@ -336,12 +347,6 @@ def _quantization_problems(name: str, headers: dict[str, _Header]) -> list[str]:
         "re-quantize it (FP8 E4M3 + 128x128 scales, or MXFP4 int8 + [out, in/32] UE8M0 scales) or store it unquantized"
     )
     if h.dtype in ("F8_E4M3", "I8"):
-        if maybe_dequantize_hf_quantized_weight is None:
-            return [
-                f"undequantizable {name}: {h.dtype} weight, but this megatron-bridge has no "
-                "models.conversion.quantization_utils dequantizer (added in 0.5.0); use megatron-bridge>=0.5 "
-                "or store the checkpoint unquantized"
-            ]
         if sh is None:
             return [f"unscaled {name}: {h.dtype} weight {h.shape} has no {scale} companion; {fix}"]
         if len(h.shape) != 2:
@@ -371,6 +376,13 @@ def _tp_size_of(mapping: MegatronParamMapping) -> int:
     try:
         return mapping.tp_size
     except Exception:  # no group snapshot (single process): unsharded
+        return 1
+
+
+def _ep_size_of(mapping: MegatronParamMapping) -> int:
+    try:
+        return mapping.ep_size
+    except Exception:  # no group snapshot (single process): one EP rank
         return 1
 
 
@@ -535,6 +547,9 @@ def export_official_state(model_chunks: nn.Module | list[nn.Module]) -> dict[str
             nt = by_name.get(name)
             weights = nt.tensor.detach() if nt is not None else None
             module: Any = nt.module if nt is not None else None
+            if hit.row.is_expert and _ep_size_of(mapping) == 1:
+                # EP=1 gathers nothing; Megatron-Bridge < 0.5 still all_gathers (needing a process group), 0.5+ skips.
+                mapping.gather_from_ep_ranks = lambda w, _module, hf_name: {str(hf_name): w}
             if nt is not None and hit.row.is_expert:
                 # Megatron-Bridge's EP gather reads num_moe_experts from the module's config.
                 module = SimpleNamespace(config=SimpleNamespace(num_moe_experts=nt.n_experts), _parameters={})
