@@ -1,7 +1,8 @@
 """LoRA construction on the native V4 graph: exactly the meant modules are wrapped, only adapters train.
 
-The model tree is real native attention blocks (sliding, CSA with indexer, HCA) under ``decoder.layers.N``; the
-expected wrapped set is computed here from that tree with plain string rules, never from the code under test.
+The model tree is the real native model (``DeepseekV4NativeModel``) of the tiny-mixed preset or of a
+hypothesis-generated config; the expected wrapped set is computed here from that tree with plain string rules,
+never from the code under test.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.strategies import v4_configs
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu
@@ -37,18 +39,9 @@ def megatron_world() -> None:
     ensure_single_rank_megatron()
 
 
-def _tree(impl) -> nn.Module:
-    hf = get_preset("tiny-mixed")
-    cfg = impl.V4Config.from_hf(hf)
-    root = nn.Module()
-    root.decoder = nn.Module()
-    layers = []
-    for i in range(min(3, cfg.num_layers)):
-        layer = nn.Module()
-        layer.self_attention = impl.DeepseekV4Attention(cfg, i)
-        layers.append(layer)
-    root.decoder.layers = nn.ModuleList(layers)
-    return root
+def _tree(impl, hf_config=None) -> nn.Module:
+    cfg = impl.V4Config.from_hf(hf_config if hf_config is not None else get_preset("tiny-mixed"))
+    return impl.DeepseekV4NativeModel(cfg, include_mtp=False)
 
 
 def _expected(root: nn.Module, targets: list[str], excluded_layers: set[int]) -> set[str]:
@@ -66,18 +59,22 @@ def _wrapped(root: nn.Module) -> set[str]:
 
 
 @given(
+    spec=v4_configs(),
     targets=st.lists(st.sampled_from(sorted(MEANT)), min_size=1, max_size=5, unique=True),
     excluded=st.sets(st.integers(0, 2), max_size=2),
 )
-def test_wrapped_modules_are_exactly_the_meant_ones(impl, megatron_world, targets, excluded):
-    root = _tree(impl)
+def test_wrapped_modules_are_exactly_the_meant_ones(impl, megatron_world, spec, targets, excluded):
+    root = _tree(impl, spec.to_config())
     expected = _expected(root, targets, excluded)
     exclude = [f"*.layers.{i}.*" for i in sorted(excluded)]
     present = {n for n, _ in root.named_modules()}
-    reachable = all(any(n.endswith(".self_attention." + MEANT[t]) for n in present) for t in targets)
-    if not reachable:
-        with pytest.raises(impl.TargetError):
+    absent_layers = sorted(i for i in excluded if f"decoder.layers.{i}" not in present)
+    unreachable = [t for t in targets if not any(n.endswith(".self_attention." + MEANT[t]) for n in present)]
+    offenders = [repr(t) for t in unreachable] + [repr(f"*.layers.{i}.*") for i in absent_layers]
+    if offenders:  # a target or an exclusion that matches no module is a typed error naming it
+        with pytest.raises(impl.TargetError) as info:
             impl.apply_lora([root], targets=targets, exclude=exclude, rank=2, alpha=4)
+        assert any(o in str(info.value) for o in offenders), f"{info.value} names none of {offenders}"
         return
     if not expected:
         with pytest.raises(impl.TargetError, match="remove every module"):

@@ -306,12 +306,16 @@ def _rank_native_parallel(rank: int, world_size: int, case: ParallelCase) -> dic
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("tp", "ep", "distinct"), [(2, 2, False), (1, 2, True)], ids=["tp2-ep2-same-inputs", "ep2-per-rank-batches"]
+    ("tp", "ep", "distinct", "world"),
+    [(2, 2, False, 2), (1, 2, True, 2), (2, 2, False, 4)],
+    ids=["tp2-ep2-same-inputs", "ep2-per-rank-batches", "tp2xep2-4-ranks"],
 )
-def test_tensor_and_expert_parallel_ranks_reproduce_the_oracle(impl, tp, ep, distinct):
+def test_tensor_and_expert_parallel_ranks_reproduce_the_oracle(impl, nproc, tp, ep, distinct, world):
+    if world > nproc:
+        pytest.skip(f"needs --nproc {world} (running with --nproc {nproc})")
     case = ParallelCase(impl.name, "tiny-tp", tp, ep, distinct, seq=min_seq_len(get_preset("tiny-tp")))
-    results = run_ranks(_rank_native_parallel, case, nproc=2, timeout_s=240)
-    offsets = sorted(r.payload["local_experts"] for r in results)
+    results = run_ranks(_rank_native_parallel, case, nproc=world, timeout_s=300)
+    offsets = sorted({r.payload["local_experts"] for r in results})
     assert offsets == [0, 4], f"EP ranks must own contiguous halves of the 8 experts, got offsets {offsets}"
     for r in results:
         p = r.payload
