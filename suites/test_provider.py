@@ -55,3 +55,27 @@ def test_uninitialized_parallel_state_is_a_clear_error(impl, monkeypatch):
     monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
     with pytest.raises(impl.UnsupportedConfigError, match="initialize_model_parallel"):
         impl.build_native_model(get_preset("tiny-mixed"))
+
+
+@pytest.mark.multirank
+def test_virtual_pipeline_chunks_follow_the_interleaved_layout(impl):
+    """pp=2 x vpp=2 over tiny-tp's 4 layers: rank r's chunk v is virtual stage v*pp + r; embedding first, loss last."""
+    from fixtures.rank_fns import VppCase, rank_provider_virtual_pipeline
+
+    results = run_ranks(
+        rank_provider_virtual_pipeline, VppCase("tiny-tp", pp=2, vpp=2), nproc=2, timeout_s=240, preload=IMPL_PRELOAD
+    )
+    layout = impl.generate_pipeline_layout(
+        4, 4, num_hash_layers=get_preset("tiny-tp").mlp_layer_types.count("hash_moe")
+    )
+    for r in results:
+        chunks = r.payload["chunks"]
+        assert len(chunks) == 2, f"rank {r.rank}: {len(chunks)} chunks, expected one per virtual stage"
+        for v, chunk in enumerate(chunks):
+            stage = v * 2 + r.rank
+            assert chunk["layers"] == list(impl.stage_layer_numbers(layout, stage)), (
+                f"rank {r.rank} virtual stage {v}: layers {chunk['layers']}"
+            )
+            assert chunk["pre_process"] == (stage == 0) and chunk["post_process"] == (stage == 3), (
+                f"rank {r.rank} virtual stage {v}: pre/post {chunk['pre_process']}/{chunk['post_process']}"
+            )
