@@ -40,7 +40,7 @@ class QualifyOptions:
     pp: int = 1
     dialect: str = "transformers"
     steps: int = 3
-    lr: float = 2e-3
+    lr: float = 1e-3
     seed: int = 0
     batch: int = 2
     seq_len: int | None = None
