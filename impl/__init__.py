@@ -19,6 +19,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.bridge": (
         "DeepseekV4ConversionBridge",
         "LoadReport",
+        "export_merged_state",
         "export_official_state",
         "load_official_checkpoint",
     ),

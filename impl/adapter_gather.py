@@ -133,11 +133,12 @@ def _declared(names: Sequence[str]) -> tuple[list[str], dict[str, set[int]], boo
 
 
 def gather_adapter_state(
-    model_chunks: nn.Module | Sequence[nn.Module], handle_or_lora: Any, *, writer_rank: int = 0
+    model_chunks: nn.Module | Sequence[nn.Module], handle_or_lora: Any, *, writer_rank: int | None = 0
 ) -> AdapterState | None:
     """Collective: every LoRA adapter tensor of ``model_chunks`` as FULL tensors under native global names.
 
-    Call on every rank. Returns the :class:`AdapterState` on global rank ``writer_rank`` and ``None`` elsewhere.
+    Call on every rank. Returns the :class:`AdapterState` on global rank ``writer_rank`` and ``None`` elsewhere
+    (``writer_rank=None``: on every rank).
     ``handle_or_lora`` is the :class:`impl.lora.LoraHandle` (or its ``DeepseekV4LoRA``) that built the adapters;
     ``r``/``alpha``/``dropout`` come from it. No adapters at all -> a state with no tensors (the exporter refuses
     it with :class:`impl.export.EmptyAdapterError`). ``targets``/``num_layers`` are filled only for the five
@@ -148,7 +149,7 @@ def gather_adapter_state(
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     stages = _stage_merge(_local_full_tensors(chunks))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank != writer_rank:
+    if writer_rank is not None and rank != writer_rank:
         return None
     merged: dict[str, torch.Tensor] = {}
     for stage, tensors in enumerate(stages):

@@ -68,6 +68,7 @@ __all__ = [
     "DeepseekV4ConversionBridge",
     "LoadReport",
     "build_v4_mappings",
+    "export_merged_state",
     "export_official_state",
     "load_official_checkpoint",
     "mapping_for_row",
@@ -195,9 +196,11 @@ def _native_tensors(chunks: list[nn.Module]) -> list[_NativeTensor]:
         named = [(n, p) for n, p in model.named_parameters() if "_extra_state" not in n]
         named += [(n, b) for n, b in persistent_buffers(model) if "_extra_state" not in n]
         for local, tensor in named:
+            if ".adapter." in local:  # LoRA halves belong to the adapter path (impl.adapter_gather), not the base
+                continue
             owner_name = local.rpartition(".")[0]
             module = model.get_submodule(owner_name) if owner_name else model
-            name, n_experts = _globalize(model, local)
+            name, n_experts = _globalize(model, local.replace(".to_wrap.", "."))  # a LoRA-wrapped base linear
             out.append(_NativeTensor(ci, local, name, tensor, module, n_experts))
     return out
 
@@ -560,6 +563,58 @@ def export_official_state(model_chunks: nn.Module | list[nn.Module]) -> dict[str
                     tensor = tensor.clone()  # never hand out views of live parameters
                 out[off] = tensor
     return out
+
+
+# FP8 / MXFP4 (int8-packed) / integer formats: W + delta is not representable in them without re-quantizing.
+_QUANTIZED_FORMATS = "float8_e4m3fn, float8_e5m2, float8_e8m0fnu, int8, uint8 (MXFP4 packing)"
+
+
+def export_merged_state(
+    model_chunks: nn.Module | list[nn.Module], lora: Any, *, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Collective: :func:`export_official_state` with each LoRA delta merged into its base weight.
+
+    ``W' = (float32(W) + (alpha/r) * float32(B) @ float32(A)).to(dtype or W.dtype)``: the merge runs in fp32 and the
+    result is cast once (``dtype`` applies to the merged weights; every other tensor keeps its dtype). A quantized base needs nothing special: the native weights already hold the exactly
+    dequantized values (:func:`load_official_checkpoint`), so the merge is exact in the same sense. Writing the result
+    back in the base's FP8 / MXFP4 format would re-quantize ``W + delta`` (lossy; Megatron-Bridge 0.6.2 re-quantizes
+    before merging and crashes), so a quantized ``dtype`` is refused with :class:`QuantizationError` on every rank
+    before any collective. ``lora`` is the :class:`impl.lora.LoraHandle` (or its LoRA) that built the adapters.
+    Portable V4 adapters are adapter-only (:mod:`impl.export`); this exists for users who must hand a merged model
+    to a system without LoRA support.
+    """
+    if dtype is not None and (not dtype.is_floating_point or dtype.itemsize < 2):
+        raise QuantizationError(
+            f"merged export in {dtype} refused: casting W + (alpha/r)*B@A to a quantized format ({_QUANTIZED_FORMATS}) "
+            "re-quantizes every merged weight and cannot be exact. Export the merged model in torch.bfloat16 or "
+            "torch.float32, or export the adapter alone (impl.export_adapter) and keep the quantized base as it is."
+        )
+    from impl.adapter_gather import gather_adapter_state  # lazy: adapter_gather -> export -> (no bridge)
+
+    adapter = gather_adapter_state(model_chunks, lora, writer_rank=None)
+    state = export_official_state(model_chunks)
+    scale = adapter.alpha / adapter.r
+    suffix_a, suffix_b = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
+    for name_a, a in adapter.tensors.items():
+        if not name_a.endswith(suffix_a):
+            continue
+        stem = name_a[: -len(suffix_a)]
+        b = adapter.tensors.get(stem + suffix_b)
+        hit = lookup_native(stem + ".weight")
+        if b is None or hit is None or hit.row.is_gated:
+            why = "has no lora_B half" if b is None else "is not a LoRA-able base weight in impl.mapping"
+            raise CheckpointMappingError(f"cannot merge adapter {stem}: {stem + '.weight'} {why}")
+        (off,) = hit.official
+        base = state[off]
+        delta = b.to(torch.float32) @ a.to(torch.float32)
+        if delta.shape != base.shape:
+            raise CheckpointMappingError(
+                f"cannot merge adapter {stem} into {off}: B@A has shape {tuple(delta.shape)}, the base weight "
+                f"{tuple(base.shape)}"
+            )
+        merged = base.to(torch.float32) + scale * delta.to(base.device)
+        state[off] = merged.to(dtype or base.dtype)
+    return state
 
 
 register()

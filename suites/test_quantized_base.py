@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fixtures.native_weights import ensure_single_rank_megatron
 from tiny_models.quantize import dequantize_state, quant_config, write_quantized_checkpoint
 
 pytestmark = pytest.mark.cpu
@@ -127,3 +128,84 @@ def test_malformed_quantization_is_a_typed_error_naming_the_tensor(impl, quantiz
         impl.load_official_checkpoint([model], tmp_path)
     assert culprit in str(err.value), f"{variant}/{kind}: error does not name {culprit}: {err.value}"
     assert isinstance(err.value, impl.Dsv4Error)
+
+
+# --------------------------------------------------------------------------------------------------
+# merged export from a quantized base: exact (fp32 merge, one cast) or refused; the adapter path never asks for it
+
+FIVE = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+LORA_R, LORA_ALPHA = 4, 8
+
+
+@pytest.fixture
+def lora_on_quantized(impl, quantized):
+    """The quantized base loaded into a native model with LoRA on the five targets and non-zero adapters."""
+    ensure_single_rank_megatron()
+    variant, ckpt, state = quantized
+    model = impl.DeepseekV4NativeModel(impl.V4Config.from_hf(quant_config()), include_mtp=False)
+    impl.load_official_checkpoint([model], ckpt)
+    handle = impl.apply_lora([model], targets=list(FIVE), rank=LORA_R, alpha=LORA_ALPHA)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".adapter." in name:  # lora_B starts at zero: make every delta real
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * 0.05)
+    return variant, state, model, handle
+
+
+def test_merged_export_from_a_quantized_base_is_the_fp32_merge_cast_once(impl, lora_on_quantized):
+    """Each targeted weight == (dequant(W) + (alpha/r) B@A) in fp32, cast once; every other tensor is untouched."""
+    variant, state, model, handle = lora_on_quantized
+    reference = {n: t for n, t in dequantize_state(state).items() if not n.startswith("mtp.")}
+    params = dict(model.named_parameters())
+    merged = impl.export_merged_state([model], handle)
+    assert set(merged) == set(reference), f"{variant}: merged export names differ: {set(merged) ^ set(reference)}"
+    n_layers = quant_config().num_hidden_layers
+    targeted = set()
+    for layer in range(n_layers):
+        for leaf in FIVE:
+            off = f"layers.{layer}.attn.{leaf}.weight"
+            stem = f"decoder.layers.{layer}.self_attention.{leaf}"
+            a, b = params[f"{stem}.adapter.linear_in.weight"], params[f"{stem}.adapter.linear_out.weight"]
+            base_dtype = params[f"{stem}.to_wrap.weight"].dtype
+            want = (reference[off].float() + (LORA_ALPHA / LORA_R) * (b.float() @ a.float())).to(base_dtype)
+            assert not torch.equal(want, reference[off].to(base_dtype)), f"{variant}: {off}: the delta is zero"
+            assert _bits_equal(merged[off], want), (
+                f"{variant}: merged {off} != fp32 merge of the dequantized base: "
+                f"max|Δ|={(merged[off].float() - want.float()).abs().max().item():.3e}"
+            )
+            targeted.add(off)
+    for name in set(reference) - targeted:
+        want = reference[name]
+        want = want.to(merged[name].dtype) if want.is_floating_point() else want
+        assert _bits_equal(merged[name], want), f"{variant}: untargeted {name} changed in the merged export"
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8], ids=str)
+def test_merged_export_into_a_quantized_format_is_refused_with_a_clear_error(impl, lora_on_quantized, dtype):
+    variant, _, model, handle = lora_on_quantized
+    with pytest.raises(impl.QuantizationError) as err:
+        impl.export_merged_state([model], handle, dtype=dtype)
+    msg = str(err.value)
+    assert str(dtype).removeprefix("torch.") in msg and "re-quantiz" in msg and "adapter" in msg, f"{variant}: {msg}"
+
+
+def test_adapter_export_never_requests_a_base_export(impl, lora_on_quantized, tmp_path, monkeypatch):
+    """The portable path is adapter-only: with every Megatron-Bridge base-weight export (``megatron_to_hf``) trapped,
+    gathering and exporting the adapter still succeed."""
+    from megatron.bridge.models.conversion import param_mapping
+
+    variant, _, model, handle = lora_on_quantized
+
+    def trap(*_args, **_kwargs):
+        raise AssertionError("the adapter export path exported a base weight")
+
+    for cls in vars(param_mapping).values():
+        if isinstance(cls, type) and issubclass(cls, param_mapping.MegatronParamMapping):
+            monkeypatch.setattr(cls, "megatron_to_hf", trap)
+    with pytest.raises(AssertionError, match="exported a base weight"):  # the trap is live
+        impl.export_official_state([model])
+    adapter = impl.gather_adapter_state([model], handle)
+    out = tmp_path / "adapter"
+    impl.export_adapter(adapter, out, base_model_name_or_path=str(tmp_path))
+    assert (out / "adapter_model.safetensors").is_file() and (out / impl.COMPLETE_MARKER).is_file(), variant
