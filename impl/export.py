@@ -16,7 +16,8 @@ group's key-value store and waits for all peers' statuses with a deadline; a mis
 and raise the same :class:`CollectiveExportError`. The store exchange leaves the process group usable.
 
 On-disk protocol (writer rank, destination ``D`` in parent ``P``; one export per destination at a time):
-``P/.D.dsv4-staging`` is written, fsynced and re-validated; publish renames ``D`` aside to ``P/.D.dsv4-old``
+``P/.D.dsv4-staging`` is written, fsynced and re-validated (the re-read runs in background threads over an mmap
+while the fsync phase waits for the disk); publish renames ``D`` aside to ``P/.D.dsv4-old``
 (or creates that directory holding ``.dsv4-absent`` when ``D`` did not exist), then renames staging to ``D``;
 marker writes ``D/.complete`` (tmp + fsync + rename) naming the sha256 of every file; commit renames the old
 directory to ``P/.D.dsv4-trash`` (the atomic commit point) and deletes it.
@@ -30,8 +31,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -442,6 +445,7 @@ class _Ctx:
     payload_size: int = 0
     hashes: dict[str, str] = field(default_factory=dict)
     published: bool = False
+    check: Any = None  # the _StagedFileCheck started by the write phase
 
 
 def _phase_gather(ctx: _Ctx) -> None:
@@ -466,6 +470,8 @@ def _phase_write(ctx: _Ctx) -> None:
         safetensors.torch.save_file(ctx.payload, str(staging / ADAPTER_FILE), metadata=ctx.built.metadata)
         with open(staging / CONFIG_FILE, "w") as f:
             f.write(_config_text(ctx.built.config))
+        # The re-read check needs only the page cache, so it runs while the fsync phase waits for the disk.
+        ctx.check = _StagedFileCheck(staging / ADAPTER_FILE, ctx.payload)
 
 
 def _phase_fsync(ctx: _Ctx) -> None:
@@ -478,28 +484,79 @@ def _phase_fsync(ctx: _Ctx) -> None:
 
 
 def _phase_validate(ctx: _Ctx) -> None:
-    """Re-open the staged files: header as built, every tensor bit-identical to the validated (finite, shape-
-    checked) in-memory one, config as built; hash the files for the marker."""
+    """Re-open the staged files: every tensor's bytes on disk identical to the validated (finite, shape-checked)
+    in-memory tensor, the header as built (read back with safetensors), config as built; hashes for the marker."""
     if not ctx.writer:
         return
-    from safetensors import safe_open
-
     staging, _, _ = _sidecars(ctx.out_dir)
+    digest = ctx.check.result()
     _check_header(staging, ctx.built)
-    with safe_open(str(staging / ADAPTER_FILE), framework="pt") as f:
-        for k, want in ctx.payload.items():
-            got = f.get_tensor(k)
-            if not np.array_equal(_raw(got), _raw(want)):  # bit-identical, not merely float-equal
-                raise AdapterValidationError(f"{staging / ADAPTER_FILE}: tensor {k} on disk differs from the export")
     ctx.payload_size = (staging / ADAPTER_FILE).stat().st_size
     config_text = (staging / CONFIG_FILE).read_text()
     if json.loads(config_text) != json.loads(_config_text(ctx.built.config)):
         raise AdapterValidationError(f"{staging / CONFIG_FILE} differs from the exported config")
-    ctx.hashes = {
-        ADAPTER_FILE: _file_sha256(staging / ADAPTER_FILE),
-        CONFIG_FILE: hashlib.sha256(config_text.encode()).hexdigest(),
-    }
+    ctx.hashes = {ADAPTER_FILE: digest, CONFIG_FILE: hashlib.sha256(config_text.encode()).hexdigest()}
     ctx.payload = None  # release the serialized copy before publishing
+
+
+class _StagedFileCheck:
+    """Background re-read of a written safetensors file through one read-only mmap: thread 1 compares every
+    tensor's bytes with the in-memory tensor it must hold, thread 2 computes the file's sha256 (both release the
+    GIL). :meth:`result` joins them and returns the digest or raises :class:`AdapterValidationError`."""
+
+    def __init__(self, path: Path, payload: Mapping[str, torch.Tensor]):
+        self.path, self.payload = path, payload
+        self.errors: list[str] = []
+        self.digest = ""
+        with open(path, "rb") as f:
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.threads = [
+            threading.Thread(target=self._guarded, args=(fn,), daemon=True) for fn in (self._compare, self._hash)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # reported by result(), on the phase's own thread
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def _hash(self) -> None:
+        self.digest = hashlib.sha256(self.mm).hexdigest()
+
+    def _compare(self) -> None:
+        buf = np.frombuffer(self.mm, dtype=np.uint8)
+        (n,) = np.frombuffer(self.mm, dtype="<u8", count=1)
+        header = json.loads(bytes(buf[8 : 8 + int(n)]))
+        base = 8 + int(n)
+        for name, want in self.payload.items():
+            start, end = header.get(name, {}).get("data_offsets", (0, -1))
+            raw = _raw(want)
+            if end - start != raw.size:
+                self.errors.append(f"{self.path}: tensor {name} has {end - start} bytes on disk, {raw.size} exported")
+                continue
+            for i in range(0, raw.size, _CHUNK):  # chunked: no full-size temporary
+                if not np.array_equal(
+                    buf[base + start + i : base + start + min(i + _CHUNK, raw.size)], raw[i : i + _CHUNK]
+                ):
+                    self.errors.append(f"{self.path}: tensor {name} on disk differs from the export")
+                    break
+        del buf
+
+    def result(self) -> str:
+        self.join()
+        if self.errors:
+            raise AdapterValidationError("; ".join(self.errors))
+        return self.digest
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+        try:
+            self.mm.close()
+        except BufferError:  # a view survived in a traceback; the mapping goes with it
+            pass
 
 
 def _phase_publish(ctx: _Ctx) -> None:
@@ -630,6 +687,8 @@ def _roll_back(ctx: _Ctx, failures: list[str], writer_rank: int) -> None:
             recover_export_dir(ctx.out_dir)
         except OSError:  # best effort; the next export's recovery retries
             pass
+    if ctx.check is not None:
+        ctx.check.join()
     ctx.payload = None
 
 

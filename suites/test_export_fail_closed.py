@@ -114,3 +114,35 @@ def test_multi_lora_export_is_unsupported(api) -> None:
     two = {"a": api.AdapterState(_good(), r=R, alpha=8.0), "b": api.AdapterState(_good(), r=R, alpha=8.0)}
     with pytest.raises(api.MultiLoRAUnsupportedError, match="multi-LoRA"):
         api.publish_in_memory(two)
+
+
+def test_a_staged_file_that_differs_from_the_validated_tensors_is_never_published(api, tmp_path, monkeypatch) -> None:
+    """The writer's output is re-read before publishing: one flipped byte in a tensor's data fails the export,
+    naming that tensor, and the earlier export stays as it was."""
+    import json
+    import struct
+
+    import safetensors.torch
+
+    out = tmp_path / "adapter"
+    api.export_adapter(api.AdapterState(_good(), r=R, alpha=8.0), out)
+    before = snapshot_tree(out)
+    real_save, flipped = safetensors.torch.save_file, []
+
+    def save_then_corrupt(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+            name, entry = max(header.items(), key=lambda kv: kv[1]["data_offsets"][1])
+            f.seek(8 + n + entry["data_offsets"][1] - 1)
+            last = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([last[0] ^ 0x01]))
+        flipped.append(name)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_corrupt)
+    with pytest.raises(api.CollectiveExportError, match="phase validate") as info:
+        api.export_adapter(api.AdapterState(_good(), r=R, alpha=9.0), out)
+    assert flipped and f"tensor {flipped[0]} on disk differs" in str(info.value), str(info.value)
+    assert snapshot_tree(out) == before, "a corrupt staged adapter changed the destination"
