@@ -146,6 +146,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "QualifyOptions",
         "run_qualify",
     ),
+    "impl.schedule": ("ManualPipeline",),
     "impl.targets": (
         "MAIN_ATTENTION_TARGETS",
         "TARGET_VOCABULARY",
@@ -170,6 +171,7 @@ _NEEDS_MEGATRON = {
     "impl.native.rope",
     "impl.provider",
     "impl.qualify",
+    "impl.schedule",
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 

@@ -73,48 +73,6 @@ class _Progress:
             print(f"  [{self.i}/{self.total}] {what} ...", flush=True)
 
 
-def _pipeline_run(chunk, ids, pos, *, labels=None, backward: bool = False):
-    """Forward (and optionally backward) through the pipeline stages with plain p2p; logits/loss on every rank."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    model = getattr(chunk, "module", chunk)
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp == 1:
-        out = chunk(ids, pos, labels=labels)
-        if backward:
-            out.mean().backward()
-        return out.detach()
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    shape = (ids.shape[0], ids.shape[1], model.v4_config.hc_mult, model.v4_config.hidden_size)
-    recv = None
-    if not first:
-        recv = torch.empty(shape, dtype=torch.float32, device=ids.device)
-        dist.recv(recv, ps.get_pipeline_model_parallel_prev_rank())
-        recv.requires_grad_(backward)
-        model.set_input_tensor(recv)
-    if not last:
-        streams = model.forward_streams(ids, pos)
-        dist.send(streams.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
-        if backward:
-            grad = torch.empty_like(streams)
-            dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
-            streams.backward(grad)
-        result = None
-    else:
-        out = chunk(ids, pos, labels=labels)
-        if backward:
-            out.mean().backward()
-        result = out.detach()
-    if backward and recv is not None:
-        dist.send(recv.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
-    holder = [result]
-    last_rank = ps.get_pipeline_model_parallel_last_rank()
-    dist.broadcast_object_list(holder, src=last_rank, group=ps.get_pipeline_model_parallel_group())
-    return holder[0]
-
-
 def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]:
     import torch
     from megatron.core import parallel_state as ps
@@ -124,6 +82,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     import impl
     from impl.adapter_gather import gather_adapter_state
     from impl.dialects import TARGET_BY_NATIVE, official_base_name
+    from impl.schedule import ManualPipeline
 
     checks: list[Check] = []
     progress = _Progress(rank, 6)
@@ -195,7 +154,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     t0 = time.perf_counter()
     model.eval()
     with torch.no_grad():
-        base_logits = _pipeline_run(chunk, eval_ids, pos)
+        base_logits = ManualPipeline(chunk).run(eval_ids, pos)
     oracle_logits = None
     if rank == 0 and opts.oracle:
         from tiny_models.checkpoint import load_oracle
@@ -220,7 +179,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
         labels = torch.roll(ids, -1, dims=1)
         opt.zero_grad(set_to_none=True)
         chunk.zero_grad_buffer()
-        loss = _pipeline_run(chunk, ids, pos, labels=labels, backward=True)
+        loss = ManualPipeline(chunk).run(ids, pos, labels=labels, backward=True)
         chunk.finish_grad_sync()
         for p in adapters.values():  # Megatron DDP accumulates into main_grad
             p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else p.grad
@@ -243,7 +202,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     )
     model.eval()
     with torch.no_grad():
-        lora_logits = _pipeline_run(chunk, eval_ids, pos)
+        lora_logits = ManualPipeline(chunk).run(eval_ids, pos)
 
     progress.step("export adapter (gather, stage, validate, publish, .complete)")
     t0 = time.perf_counter()

@@ -46,7 +46,6 @@ def rank_flash_lora_recipe(rank: int, world_size: int, case: FlashRunCase) -> di
 
     api = load_impl("impl")
     from impl.adapter_gather import gather_adapter_state
-    from impl.qualify import _pipeline_run
 
     recipe = case.recipe
     assert world_size == recipe.world_size, f"recipe wants {recipe.world_size} ranks, launched {world_size}"
@@ -87,7 +86,7 @@ def rank_flash_lora_recipe(rank: int, world_size: int, case: FlashRunCase) -> di
         ids = ids.to(device)
         opt.zero_grad(set_to_none=True)
         chunk.zero_grad_buffer()
-        loss = _pipeline_run(chunk, ids, pos, labels=torch.roll(ids, -1, dims=1), backward=True)
+        loss = api.ManualPipeline(chunk).run(ids, pos, labels=torch.roll(ids, -1, dims=1), backward=True)
         chunk.finish_grad_sync()
         for p in adapters.values():
             p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else p.grad
