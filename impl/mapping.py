@@ -377,14 +377,17 @@ class NativeMatch(NamedTuple):
 # literal (or ``\d``), which sre skips on the first character, so matching is linear in the name. This is the
 # same relation as "normalize, then look the key up" (``*`` is a whole inner segment and no literal segment is
 # all digits, both checked by ``_check_pattern``); :func:`_check_compiled` proves it on every pattern at import.
-# The other side's name is built by a small function generated per pattern (an f-string over the match's
-# groups): about half the cost of ``template % m.group(...)``, which matters at 35k names per Flash manifest.
+# The result is built by a small function generated per pattern (an f-string over the match's groups, then the
+# result tuple): about half the cost of ``template % m.group(...)``, which matters at 35k names per manifest.
 _END = object()  # trie leaf key
 _SAFE_PIECE = re.compile(r"[\w.]*")  # what may go verbatim into generated source
 
 
-def _builder(targets: tuple[str, ...], captures: tuple[int, ...], many: bool) -> Callable[[re.Match[str]], Any]:
-    """``lambda m: f"decoder.layers.{m[3]}.mlp..."`` for each target pattern (a tuple of them if ``many``)."""
+def _finisher(
+    result: type, row: MappingRow, role: str | None, targets: tuple[str, ...], captures: tuple[int, ...], many: bool
+) -> Callable[[str, re.Match[str]], Any]:
+    """``lambda name, m: result(name, row, f"decoder.layers.{m[3]}.mlp...", [role])`` for one pattern: builds the
+    other side's name(s) from the match groups and the result tuple in one call (a tuple of names if ``many``)."""
     exprs = []
     for target in targets:
         pieces = target.split("*")
@@ -392,12 +395,15 @@ def _builder(targets: tuple[str, ...], captures: tuple[int, ...], many: bool) ->
             raise MappingTableError(f"cannot build names for {target!r} from groups {captures}")
         body = pieces[0] + "".join(f"{{m[{g}]}}{piece}" for g, piece in zip(captures, pieces[1:], strict=True))
         exprs.append("f" + repr(body))
-    source = f"lambda m: ({', '.join(exprs)},)" if many else f"lambda m: {exprs[0]}"
-    return eval(source, {"__builtins__": {}})  # source built above from checked identifier pieces only
+    other = f"({', '.join(exprs)},)" if many else exprs[0]
+    fields = f"name, _row, {other}" + ("" if many else ", _role")
+    source = f"lambda name, m: _new(_result, ({fields}))"
+    namespace = {"__builtins__": {}, "_new": tuple.__new__, "_result": result, "_row": row, "_role": role}
+    return eval(source, namespace)  # source built above from checked identifier pieces only
 
 
 def _compile_index(
-    index: Mapping[str, _Entry], other_side: Callable[[MappingRow], tuple[str, ...]], many: bool
+    index: Mapping[str, _Entry], other_side: Callable[[MappingRow], tuple[str, ...]], result: type, many: bool
 ) -> tuple[re.Pattern[str], list[Any]]:
     trie: dict[Any, Any] = {}
     for pattern, entry in index.items():
@@ -436,35 +442,28 @@ def _compile_index(
     regex = re.compile(emit(trie, ()))
     by_marker: list[Any] = [None] * (n_groups + 1)
     for marker, (_pattern, entry, captures) in leaves.items():
-        by_marker[marker] = (entry.row, _builder(other_side(entry.row), captures, many), entry.role)
+        by_marker[marker] = _finisher(result, entry.row, entry.role, other_side(entry.row), captures, many)
     return regex, by_marker
 
 
-_OFFICIAL_RE, _OFFICIAL_LEAVES = _compile_index(_OFFICIAL_INDEX, lambda row: (row.native,), many=False)
-_NATIVE_RE, _NATIVE_LEAVES = _compile_index(_NATIVE_INDEX, lambda row: row.official_names, many=True)
+_OFFICIAL_RE, _OFFICIAL_LEAVES = _compile_index(_OFFICIAL_INDEX, lambda row: (row.native,), OfficialMatch, many=False)
+_NATIVE_RE, _NATIVE_LEAVES = _compile_index(_NATIVE_INDEX, lambda row: row.official_names, NativeMatch, many=True)
 
 
 def _make_lookups() -> tuple[Callable[[str], OfficialMatch | None], Callable[[str], NativeMatch | None]]:
     # Closures over locals: no global or attribute lookups on the hot path.
     off_fullmatch, off_leaves = _OFFICIAL_RE.fullmatch, _OFFICIAL_LEAVES
     nat_fullmatch, nat_leaves = _NATIVE_RE.fullmatch, _NATIVE_LEAVES
-    new = tuple.__new__  # builds the NamedTuple without its Python-level __new__
 
     def lookup_official(name: str) -> OfficialMatch | None:
         """Resolve an official checkpoint name; None if no row claims it."""
         m = off_fullmatch(name)
-        if m is None:
-            return None
-        row, build, role = off_leaves[m.lastindex]
-        return new(OfficialMatch, (name, row, build(m), role))
+        return None if m is None else off_leaves[m.lastindex](name, m)
 
     def lookup_native(name: str) -> NativeMatch | None:
         """Resolve a native (global-index) parameter / buffer name; None if no row claims it."""
         m = nat_fullmatch(name)
-        if m is None:
-            return None
-        row, build, _ = nat_leaves[m.lastindex]
-        return new(NativeMatch, (name, row, build(m)))
+        return None if m is None else nat_leaves[m.lastindex](name, m)
 
     return lookup_official, lookup_native
 
