@@ -122,6 +122,10 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "apply_interleaved_rope",
         "rope_inv_freq",
     ),
+    "impl.peft_loading": (
+        "GroupedLoraLinear",
+        "load_peft_adapter",
+    ),
     "impl.pipeline": (
         "generate_pipeline_layout",
         "resolve_pipeline_layout",

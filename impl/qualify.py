@@ -226,21 +226,25 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
         progress.step("reload with PEFT on transformers and compare logits")
         t0 = time.perf_counter()
         if opts.dialect == "transformers" and opts.oracle:
-            from peft import PeftModel
-
             from tiny_models.checkpoint import load_oracle
 
-            peft_model = PeftModel.from_pretrained(load_oracle(base), out).merge_and_unload()
-            with torch.no_grad():
-                reloaded = peft_model(eval_ids.cpu()).logits.float()
-            diff = (lora_logits.cpu() - reloaded).abs().max().item()
+            diffs = {}
+            for mode, merge in (("merged", True), ("unmerged", False)):  # unmerged: grouped o_a_proj layer
+                peft_model = impl.load_peft_adapter(load_oracle(base), out, merge=merge).eval()
+                with torch.no_grad():
+                    reloaded = peft_model(eval_ids.cpu()).logits.float()
+                diffs[mode] = (lora_logits.cpu() - reloaded).abs().max().item()
+            diff = max(diffs.values())
             moved = (lora_logits.cpu() - oracle_logits).abs().max().item()
             record(
                 "reload",
                 diff <= TOLERANCE and moved > 0,
-                f"max|Δ|={diff:.2e} (tol {TOLERANCE:g}); adapter moved logits by {moved:.2e}",
+                f"max|Δ| merged {diffs['merged']:.2e}, unmerged {diffs['unmerged']:.2e} (tol {TOLERANCE:g}); "
+                f"adapter moved logits by {moved:.2e}",
                 t0,
                 max_abs_diff=diff,
+                max_abs_diff_merged=diffs["merged"],
+                max_abs_diff_unmerged=diffs["unmerged"],
                 adapter_effect=moved,
             )
         else:

@@ -255,11 +255,12 @@ def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = Fal
 
 
 def _forward_check(base: Path, adapter: Path, modules, r, alpha, res: VerifyResult) -> VerifyCheck:
-    """PEFT's merged model vs the base with ``W + (alpha/r)·B@A`` applied by hand (transformers dialect only)."""
+    """PEFT merged and unmerged (grouped o_a_proj layer) vs the base with ``W + (alpha/r)·B@A`` applied by hand
+    (transformers dialect only)."""
     import torch
-    from peft import PeftModel
     from transformers import AutoConfig
 
+    from impl.peft_loading import load_peft_adapter
     from tiny_models.checkpoint import load_oracle
     from tiny_models.presets import min_seq_len
 
@@ -273,8 +274,11 @@ def _forward_check(base: Path, adapter: Path, modules, r, alpha, res: VerifyResu
             weight = manual.get_submodule(module).weight
             weight += (alpha / r) * (h["lora_B"].float() @ h["lora_A"].float()).to(weight.dtype)
         want = manual(ids).logits
-        got = PeftModel.from_pretrained(load_oracle(base), adapter).merge_and_unload()(ids).logits
-    diff = (got - want).abs().max().item()
-    if diff > 1e-5:
-        res.problems.append(f"forward: PEFT merged logits differ from W + s*B@A by {diff:.2e}")
-    return VerifyCheck("forward", diff <= 1e-5, f"max|Δ|={diff:.2e}")
+        merged = load_peft_adapter(load_oracle(base), adapter, merge=True)(ids).logits
+        unmerged = load_peft_adapter(load_oracle(base), adapter).eval()(ids).logits
+    diffs = {"merged": (merged - want).abs().max().item(), "unmerged": (unmerged - want).abs().max().item()}
+    for mode, diff in diffs.items():
+        if diff > 1e-5:
+            res.problems.append(f"forward: PEFT {mode} logits differ from W + s*B@A by {diff:.2e}")
+    ok = max(diffs.values()) <= 1e-5
+    return VerifyCheck("forward", ok, f"max|Δ| merged {diffs['merged']:.2e}, unmerged {diffs['unmerged']:.2e}")

@@ -3,8 +3,8 @@
 Per layout (TP=1, TP=2, EP=2, PP=2): the native model is built with [load base, LoRA] pre-wrap hooks and DDP,
 trained for a few Adam steps, gathered and exported (transformers dialect, with a base fingerprint). In this
 process, ``peft.PeftModel.from_pretrained(<transformers oracle>, adapter_dir)`` must then give the native logits:
-merged (``merge_and_unload``, required for the grouped ``wo_a``) for the five-target adapter, and PEFT's own
-unmerged forward for an adapter on the four plain targets."""
+merged (``merge_and_unload``) and unmerged through ``impl.load_peft_adapter`` (which registers the grouped LoRA layer
+for ``o_a_proj``) for the five-target adapter, and stock PEFT's unmerged forward for the four plain targets."""
 
 from pathlib import Path
 
@@ -28,12 +28,13 @@ def _native_logits(results) -> list[tuple[int, torch.Tensor]]:
     return [(r.rank, torch.from_numpy(r.payload["logits"])) for r in results if "logits" in r.payload]
 
 
-def _assert_peft_matches(layout, results, ckpt, adapter_dir, *, merge: bool) -> None:
+def _assert_peft_matches(layout, results, ckpt, adapter_dir, *, how: str, load=None) -> None:
+    """``how`` names the reload in messages; ``load(model, adapter_dir)`` returns the model to compare (default:
+    stock ``PeftModel.from_pretrained``, unmerged)."""
     case_vocab = get_preset(PRESET).vocab_size
     ids = case_ids(results.case, case_vocab)
     base = oracle_logits(load_oracle(ckpt), ids)
-    peft_model = PeftModel.from_pretrained(load_oracle(ckpt), str(adapter_dir))
-    model = peft_model.merge_and_unload() if merge else peft_model.eval()
+    model = (load or (lambda m, d: PeftModel.from_pretrained(m, str(d))))(load_oracle(ckpt), adapter_dir).eval()
     want = oracle_logits(model, ids)
     effect = (want - base).abs().max().item()
     assert effect > MIN_TRAINED_EFFECT, f"{layout}: the trained adapter moves the PEFT logits by only {effect:.2e}"
@@ -41,10 +42,10 @@ def _assert_peft_matches(layout, results, ckpt, adapter_dir, *, merge: bool) -> 
     assert native, f"{layout}: no rank returned logits"
     for rank, got in native:
         diff = (got - want).abs().max().item()
-        print(f"{layout} rank {rank} {'merged' if merge else 'unmerged'}: max|Δ|={diff:.3e} (effect {effect:.2e})")
+        print(f"{layout} rank {rank} {how}: max|Δ|={diff:.3e} (effect {effect:.2e})")
         assert diff <= LOGIT_TOL, (
-            f"{layout} rank {rank}: native logits differ from PEFT ({'merged' if merge else 'unmerged'}) on the "
-            f"exported adapter by max|Δ|={diff:.3e} > {LOGIT_TOL}"
+            f"{layout} rank {rank}: native logits differ from PEFT ({how}) on the exported adapter by "
+            f"max|Δ|={diff:.3e} > {LOGIT_TOL}"
         )
 
 
@@ -63,7 +64,9 @@ def _run(impl, tiny_ckpt_factory, layout: str) -> tuple[_Run, str, Path]:
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "ep2", "pp2"])
-def test_trained_five_target_adapter_reloads_in_peft_merged_with_native_logits(impl, tiny_ckpt_factory, layout):
+def test_trained_five_target_adapter_reloads_in_peft_merged_and_unmerged_with_native_logits(
+    impl, tiny_ckpt_factory, layout
+):
     run, ckpt, adapter_dir = _run(impl, tiny_ckpt_factory, layout)
     assert (adapter_dir / impl.COMPLETE_MARKER).is_file(), f"{layout}: {adapter_dir} has no completion marker"
     impl.validate_adapter_dir(adapter_dir)
@@ -71,10 +74,12 @@ def test_trained_five_target_adapter_reloads_in_peft_merged_with_native_logits(i
     other = str(tiny_ckpt_factory(PRESET, seed=BASE_SEED + 1))
     with pytest.raises(impl.FingerprintMismatchError):
         impl.verify_fingerprint(adapter_dir, other)
-    _assert_peft_matches(layout, run, ckpt, adapter_dir, merge=True)
+    merged = lambda m, d: PeftModel.from_pretrained(m, str(d)).merge_and_unload()  # noqa: E731
+    _assert_peft_matches(layout, run, ckpt, adapter_dir, how="merged", load=merged)
+    _assert_peft_matches(layout, run, ckpt, adapter_dir, how="unmerged, grouped o_a_proj", load=impl.load_peft_adapter)
 
 
 def test_trained_plain_four_target_adapter_reloads_in_peft_unmerged_with_native_logits(impl, tiny_ckpt_factory):
     run, ckpt, adapter_dir = _run(impl, tiny_ckpt_factory, "tp2-plain")
     impl.validate_adapter_dir(adapter_dir)
-    _assert_peft_matches("tp2-plain", run, ckpt, adapter_dir, merge=False)
+    _assert_peft_matches("tp2-plain", run, ckpt, adapter_dir, how="unmerged")

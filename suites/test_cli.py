@@ -48,6 +48,7 @@ def test_default_qualify_passes_and_reports_every_check(qualified):
     assert (qualified / "adapter" / ".complete").exists()
     reload = next(c for c in report["checks"] if c["name"] == "reload")
     assert reload["detail"]["max_abs_diff"] <= 1e-5 < reload["detail"]["adapter_effect"]
+    assert reload["detail"]["max_abs_diff_unmerged"] <= 1e-5, f"PEFT unmerged (grouped o_a_proj) reload: {reload}"
 
 
 def _copy_base(qualified: Path, tmp_path: Path) -> Path:

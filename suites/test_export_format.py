@@ -221,3 +221,39 @@ def test_validate_adapter_dir_accepts_the_export_and_names_a_tampered_file(api, 
     (out / "adapter_config.json").write_text(json.dumps({**config, "r": R + 1}))
     with pytest.raises(api.ExportError, match="adapter_config.json"):
         api.validate_adapter_dir(out)
+
+
+def test_stock_peft_cannot_run_the_grouped_o_a_proj_unmerged(api, tiny, tmp_path) -> None:
+    """Why load_peft_adapter exists: PEFT's dense LoRA forward adds [.., G, G*R] to o_a_proj's [.., G, R] output."""
+    from peft import PeftModel
+
+    cfg, model, ids = tiny
+    native = _native(cfg, ("wo_a",), seed=5)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), str(_export(api, tmp_path, native))).eval()
+    assert cfg.o_groups > 1, "the preset must have several output groups for this test to mean anything"
+    with (
+        pytest.raises(RuntimeError, match=r"size of tensor a \(\d+\) must match the size of tensor b"),
+        torch.no_grad(),
+    ):
+        peft_model(ids)
+
+
+@pytest.mark.parametrize("leaves", [("wo_a",), tuple(HF_LEAF)], ids=["o_a_proj-only", "five-targets"])
+def test_grouped_o_a_proj_runs_unmerged_through_the_grouped_peft_layer(api, tiny, tmp_path, leaves) -> None:
+    """impl.load_peft_adapter registers GroupedLoraLinear: unmerged logits == W + (alpha/r) B@A oracle, the adapter
+    can be disabled back to the base, and merging gives the same logits."""
+    cfg, model, ids = tiny
+    native = _native(cfg, leaves, seed=6)
+    out = _export(api, tmp_path, native)
+    peft_model = api.load_peft_adapter(copy.deepcopy(model), out).eval()
+    grouped = [n for n, m in peft_model.named_modules() if isinstance(m, api.GroupedLoraLinear)]
+    assert len(grouped) == cfg.num_hidden_layers, f"GroupedLoraLinear wraps {grouped}"
+    with torch.no_grad():
+        got, want, base = peft_model(ids).logits, _merged_reference(model, native)(ids).logits, model(ids).logits
+        with peft_model.disable_adapter():
+            disabled = peft_model(ids).logits
+        merged = api.load_peft_adapter(copy.deepcopy(model), out, merge=True).eval()(ids).logits
+    assert (want - base).abs().max() > 1e-3, "the adapter does not move the logits: the test would prove nothing"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{leaves}: unmerged grouped PEFT != oracle")
+    torch.testing.assert_close(disabled, base, rtol=0, atol=0, msg="disabled adapter != base")
+    torch.testing.assert_close(merged, want, rtol=1e-4, atol=1e-4, msg=f"{leaves}: merged != oracle")
