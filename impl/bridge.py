@@ -54,6 +54,7 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from torch import nn
 
+from impl.adapter_gather import gather_adapter_state
 from impl.errors import CheckpointMappingError, ConversionOnlyBridgeError, CorruptCheckpointError, QuantizationError
 from impl.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
 
@@ -575,8 +576,9 @@ def export_merged_state(
     """Collective: :func:`export_official_state` with each LoRA delta merged into its base weight.
 
     ``W' = (float32(W) + (alpha/r) * float32(B) @ float32(A)).to(dtype or W.dtype)``: the merge runs in fp32 and the
-    result is cast once (``dtype`` applies to the merged weights; every other tensor keeps its dtype). A quantized base needs nothing special: the native weights already hold the exactly
-    dequantized values (:func:`load_official_checkpoint`), so the merge is exact in the same sense. Writing the result
+    result is cast once (``dtype`` applies to the merged weights; every other tensor keeps its dtype). A quantized
+    base needs nothing special: the native weights already hold the exactly dequantized values
+    (:func:`load_official_checkpoint`), so the merge is exact in the same sense. Writing the result
     back in the base's FP8 / MXFP4 format would re-quantize ``W + delta`` (lossy; Megatron-Bridge 0.6.2 re-quantizes
     before merging and crashes), so a quantized ``dtype`` is refused with :class:`QuantizationError` on every rank
     before any collective. ``lora`` is the :class:`impl.lora.LoraHandle` (or its LoRA) that built the adapters.
@@ -589,8 +591,6 @@ def export_merged_state(
             "re-quantizes every merged weight and cannot be exact. Export the merged model in torch.bfloat16 or "
             "torch.float32, or export the adapter alone (impl.export_adapter) and keep the quantized base as it is."
         )
-    from impl.adapter_gather import gather_adapter_state  # lazy: adapter_gather -> export -> (no bridge)
-
     adapter = gather_adapter_state(model_chunks, lora, writer_rank=None)
     state = export_official_state(model_chunks)
     scale = adapter.alpha / adapter.r

@@ -33,14 +33,12 @@ class ManualPipeline:
         self._received: torch.Tensor | None = None
 
     def _stream_buffer(self, ids: torch.Tensor) -> torch.Tensor:
+        """The receive buffer of a non-first stage. Streams keep the embedding's dtype through every layer
+        (impl.native.hyper.hc_post), and the embedding is built in the model's ``params_dtype``."""
         cfg = self.model.v4_config
-        # Streams keep the embedding's dtype through every layer (impl.native.hyper.hc_post).
-        dtype = self.model.embedding.word_embeddings.weight.dtype if self.first else self._param_dtype()
-        return torch.empty(ids.shape[0], ids.shape[1], cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=ids.device)
-
-    def _param_dtype(self) -> torch.dtype:
         dtype = getattr(getattr(self.model, "config", None), "params_dtype", None)
-        return dtype if isinstance(dtype, torch.dtype) else torch.float32
+        dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+        return torch.empty(ids.shape[0], ids.shape[1], cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=ids.device)
 
     def forward(
         self,
