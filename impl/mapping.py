@@ -371,12 +371,16 @@ class NativeMatch(NamedTuple):
     official: tuple[str, ...]
 
 
-# The hot path. Both indexes are compiled into one regex each: a character trie of the patterns, ``*`` as an
-# ``(\d+)`` group, every pattern ending in an empty marker group, so one C-level ``fullmatch`` names the row
-# (``lastindex`` = its marker) and holds the captures. Every branch of every alternation starts with a distinct
-# literal (or ``\d``), which sre skips on the first character, so matching is linear in the name. This is the
-# same relation as "normalize, then look the key up" (``*`` is a whole inner segment and no literal segment is
-# all digits, both checked by ``_check_pattern``); :func:`_check_compiled` proves it on every pattern at import.
+# The hot path. Each index is compiled into two regexes, routed-expert patterns (94% of a full-size manifest:
+# 33k of Flash's 35k names) and the rest, so the common match runs a small automaton with few groups and the
+# rare one pays one extra failed match (about a third less per expert name than one regex over every pattern).
+# A regex is a character trie of its patterns, ``*`` as an ``(\d+)`` group, every pattern ending in an empty
+# marker group, so one C-level ``fullmatch`` names the row (``lastindex`` = its marker) and holds the captures.
+# Every branch of every alternation starts with a distinct literal (or ``\d``), which sre skips on the first
+# character, so matching is linear in the name. This is the same relation as "normalize, then look the key up"
+# (``*`` is a whole inner segment and no literal segment is all digits, both checked by ``_check_pattern``), so
+# a name fullmatches at most one pattern and the order of the tiers cannot change an answer;
+# :func:`_check_compiled` proves it on every pattern at import.
 # The result is built by a small function generated per pattern (an f-string over the match's groups, then the
 # result tuple): about half the cost of ``template % m.group(...)``, which matters at 35k names per manifest.
 _END = object()  # trie leaf key
@@ -386,25 +390,38 @@ _SAFE_PIECE = re.compile(r"[\w.]*")  # what may go verbatim into generated sourc
 def _finisher(
     result: type, row: MappingRow, role: str | None, targets: tuple[str, ...], captures: tuple[int, ...], many: bool
 ) -> Callable[[str, re.Match[str]], Any]:
-    """``lambda name, m: result(name, row, f"decoder.layers.{m[3]}.mlp...", [role])`` for one pattern: builds the
-    other side's name(s) from the match groups and the result tuple in one call (a tuple of names if ``many``)."""
+    """``def f(name, m): c0, c1 = m.group(3, 4); return result(name, row, f"decoder.layers.{c0}.mlp...", [role])``
+    for one pattern: fetches its groups once, builds the other side's name(s) and the result tuple in one call (a
+    tuple of names if ``many``)."""
+    local = [f"c{i}" for i in range(len(captures))]
     exprs = []
     for target in targets:
         pieces = target.split("*")
         if len(pieces) != len(captures) + 1 or not all(_SAFE_PIECE.fullmatch(p) for p in pieces):
             raise MappingTableError(f"cannot build names for {target!r} from groups {captures}")
-        body = pieces[0] + "".join(f"{{m[{g}]}}{piece}" for g, piece in zip(captures, pieces[1:], strict=True))
+        body = pieces[0] + "".join(f"{{{c}}}{piece}" for c, piece in zip(local, pieces[1:], strict=True))
         exprs.append("f" + repr(body))
     other = f"({', '.join(exprs)},)" if many else exprs[0]
     fields = f"name, _row, {other}" + ("" if many else ", _role")
-    source = f"lambda name, m: _new(_result, ({fields}))"
+    fetch = ""  # m.group(g) is a str, m.group(g, h) a tuple
+    if len(captures) == 1:
+        fetch = f"    c0 = m[{captures[0]}]\n"
+    elif captures:
+        fetch = f"    {', '.join(local)} = m.group{captures}\n"
+    source = f"def finish(name, m):\n{fetch}    return _new(_result, ({fields}))\n"
     namespace = {"__builtins__": {}, "_new": tuple.__new__, "_result": result, "_row": row, "_role": role}
-    return eval(source, namespace)  # source built above from checked identifier pieces only
+    exec(source, namespace)  # source built above from checked identifier pieces only
+    return namespace["finish"]
 
 
-def _compile_index(
+class _Tier(NamedTuple):
+    fullmatch: Callable[[str], re.Match[str] | None]
+    finishers: list[Any]  # indexed by the match's lastindex (its marker group)
+
+
+def _compile_tier(
     index: Mapping[str, _Entry], other_side: Callable[[MappingRow], tuple[str, ...]], result: type, many: bool
-) -> tuple[re.Pattern[str], list[Any]]:
+) -> _Tier:
     trie: dict[Any, Any] = {}
     for pattern, entry in index.items():
         node = trie
@@ -443,27 +460,42 @@ def _compile_index(
     by_marker: list[Any] = [None] * (n_groups + 1)
     for marker, (_pattern, entry, captures) in leaves.items():
         by_marker[marker] = _finisher(result, entry.row, entry.role, other_side(entry.row), captures, many)
-    return regex, by_marker
+    return _Tier(regex.fullmatch, by_marker)
 
 
-_OFFICIAL_RE, _OFFICIAL_LEAVES = _compile_index(_OFFICIAL_INDEX, lambda row: (row.native,), OfficialMatch, many=False)
-_NATIVE_RE, _NATIVE_LEAVES = _compile_index(_NATIVE_INDEX, lambda row: row.official_names, NativeMatch, many=True)
+def _compile_index(
+    index: Mapping[str, _Entry], other_side: Callable[[MappingRow], tuple[str, ...]], result: type, many: bool
+) -> tuple[_Tier, _Tier]:
+    """(routed-expert tier, everything else)."""
+    hot = {p: e for p, e in index.items() if e.row.is_expert}
+    cold = {p: e for p, e in index.items() if not e.row.is_expert}
+    return _compile_tier(hot, other_side, result, many), _compile_tier(cold, other_side, result, many)
+
+
+_OFFICIAL_TIERS = _compile_index(_OFFICIAL_INDEX, lambda row: (row.native,), OfficialMatch, many=False)
+_NATIVE_TIERS = _compile_index(_NATIVE_INDEX, lambda row: row.official_names, NativeMatch, many=True)
 
 
 def _make_lookups() -> tuple[Callable[[str], OfficialMatch | None], Callable[[str], NativeMatch | None]]:
     # Closures over locals: no global or attribute lookups on the hot path.
-    off_fullmatch, off_leaves = _OFFICIAL_RE.fullmatch, _OFFICIAL_LEAVES
-    nat_fullmatch, nat_leaves = _NATIVE_RE.fullmatch, _NATIVE_LEAVES
+    (off_hot, off_hot_fin), (off_cold, off_cold_fin) = _OFFICIAL_TIERS
+    (nat_hot, nat_hot_fin), (nat_cold, nat_cold_fin) = _NATIVE_TIERS
 
     def lookup_official(name: str) -> OfficialMatch | None:
         """Resolve an official checkpoint name; None if no row claims it."""
-        m = off_fullmatch(name)
-        return None if m is None else off_leaves[m.lastindex](name, m)
+        m = off_hot(name)
+        if m is not None:
+            return off_hot_fin[m.lastindex](name, m)
+        m = off_cold(name)
+        return None if m is None else off_cold_fin[m.lastindex](name, m)
 
     def lookup_native(name: str) -> NativeMatch | None:
         """Resolve a native (global-index) parameter / buffer name; None if no row claims it."""
-        m = nat_fullmatch(name)
-        return None if m is None else nat_leaves[m.lastindex](name, m)
+        m = nat_hot(name)
+        if m is not None:
+            return nat_hot_fin[m.lastindex](name, m)
+        m = nat_cold(name)
+        return None if m is None else nat_cold_fin[m.lastindex](name, m)
 
     return lookup_official, lookup_native
 
@@ -472,11 +504,17 @@ lookup_official, lookup_native = _make_lookups()
 
 
 def _check_compiled() -> None:
-    """Every pattern, instantiated, resolves through the regex exactly as through normalize + dict lookup."""
-    for index, lookup in ((_OFFICIAL_INDEX, lookup_official), (_NATIVE_INDEX, lookup_native)):
+    """Every pattern, instantiated, resolves through the regexes exactly as through normalize + dict lookup, and
+    matches in exactly one tier."""
+    for index, lookup, tiers in (
+        (_OFFICIAL_INDEX, lookup_official, _OFFICIAL_TIERS),
+        (_NATIVE_INDEX, lookup_native, _NATIVE_TIERS),
+    ):
         for pattern, entry in index.items():
             caps = [str(7 + 10 * i) for i in range(pattern.count("*"))]
             name = fill(pattern, caps)
+            if sum(tier.fullmatch(name) is not None for tier in tiers) != 1:
+                raise MappingTableError(f"{name!r} does not match exactly one tier of the compiled resolver")
             key, got_caps = normalize(name)
             hit = lookup(name)
             other = tuple(t.format(*got_caps) for t in entry.target)
