@@ -20,7 +20,9 @@ On-disk protocol (writer rank, destination ``D`` in parent ``P``; one export per
 while the fsync phase waits for the disk); publish renames ``D`` aside to ``P/.D.dsv4-old``
 (or creates that directory holding ``.dsv4-absent`` when ``D`` did not exist), then renames staging to ``D``;
 marker writes ``D/.complete`` (tmp + fsync + rename) naming the sha256 of every file; commit renames the old
-directory to ``P/.D.dsv4-trash`` (the atomic commit point) and deletes it.
+directory to ``P/.D.dsv4-trash`` (the atomic commit point), and once every rank has answered, the trash is
+deleted. A rank lost after the commit point is still reported, but the error says that the new adapter WAS
+committed (a writer lost inside the commit: either the new export or the old one, never a mix).
 Crash safety: while ``.D.dsv4-old`` exists the export is uncommitted and :func:`recover_export_dir` (run at
 the start of every export, and by a surviving rank when the writer is reported dead) rolls back to it; the
 ``.complete`` marker lives inside the directory it certifies and moves with it, so a stale marker can never sit
@@ -36,6 +38,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -605,8 +608,25 @@ def _phase_commit(ctx: _Ctx) -> None:
     _, old, trash = _sidecars(ctx.out_dir)
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(old, trash)  # the commit point: without .dsv4-old nothing will be rolled back
-    _fsync_path(ctx.out_dir.parent)
-    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _after_commit(ctx: _Ctx) -> None:
+    """Writer, past the commit point: make the rename durable and drop the old export. Best effort: a failure
+    here cannot un-commit (a crash before the directory sync at worst brings ``.dsv4-old`` back, which the next
+    export's recovery rolls back to), so it is a warning, not an export failure."""
+    if not ctx.writer:
+        return
+    _, _, trash = _sidecars(ctx.out_dir)
+    try:
+        _fsync_path(ctx.out_dir.parent)
+        shutil.rmtree(trash)
+    except OSError as exc:
+        warnings.warn(
+            f"adapter export to {ctx.out_dir} is committed, but cleaning up after the commit failed: "
+            f"{type(exc).__name__}: {exc}; the next export to it retries",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 _PHASE_FNS = {
@@ -671,13 +691,47 @@ def export_adapter(
             cause = exc
             status = f"{type(exc).__name__}: {exc}"
         failures = ex.agree(phase, status)
+        if failures and phase == "commit":
+            raise _commit_phase_error(ctx, failures, writer_rank) from cause
         if failures:
             _roll_back(ctx, failures, writer_rank)
             raise CollectiveExportError(
                 f"adapter export to {ctx.out_dir} failed in phase {phase}: " + "; ".join(failures) + ". "
                 "Nothing was published and the destination is unchanged; fix the cause named above and re-run."
             ) from cause
+    _after_commit(ctx)
     return ctx.out_dir
+
+
+def _commit_phase_error(ctx: _Ctx, failures: list[str], writer_rank: int) -> CollectiveExportError:
+    """A failure reported in the commit phase. Only the writer acts there, so its own status says whether the
+    commit point was passed: a writer error is the commit rename failing (roll back, nothing published); a
+    writer that answered "ok" committed, and a peer lost after that cannot un-commit; a writer that never
+    answered may have committed or not (a survivor's recovery settles it: new export or old, never a mix)."""
+    head = f"adapter export to {ctx.out_dir} failed in phase commit: " + "; ".join(failures) + ". "
+    writer_failed = any(f.startswith(f"rank {writer_rank}: ") for f in failures)
+    writer_lost = any(f.startswith(f"rank {writer_rank}: no response") for f in failures)
+    if writer_failed and not writer_lost:
+        _roll_back(ctx, failures, writer_rank)
+        return CollectiveExportError(
+            head + "Nothing was published and the destination is unchanged; fix the cause named above and re-run."
+        )
+    if writer_lost:
+        _roll_back(ctx, failures, writer_rank)
+        return CollectiveExportError(
+            head + f"The writer (rank {writer_rank}) stopped inside the commit, so the destination holds either the "
+            "complete new adapter or the earlier export, never a mix; check its .complete (impl.validate_adapter_dir) "
+            "before using it."
+        )
+    _after_commit(ctx)
+    if ctx.check is not None:
+        ctx.check.join()
+    ctx.payload = None
+    return CollectiveExportError(
+        head + f"The new adapter WAS committed (rank {writer_rank} passed the commit point and {ctx.out_dir}/"
+        f"{COMPLETE_MARKER} certifies it); the rank(s) above were lost after that. Find out why; the export itself "
+        "need not be re-run."
+    )
 
 
 def _roll_back(ctx: _Ctx, failures: list[str], writer_rank: int) -> None:

@@ -80,6 +80,11 @@ def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[di
         if not case.kill:
             dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))  # the group must still work
         after = snapshot_tree(dest)
+        try:
+            export.validate_adapter_dir(dest)
+            valid = "valid"
+        except Exception as err:  # noqa: BLE001 - reported, judged by the test
+            valid = f"{type(err).__name__}: {err}"
         results.append(
             {
                 "id": case_id,
@@ -88,6 +93,8 @@ def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[di
                 "unchanged": before == after,
                 "changed": sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)),
                 "complete": (dest / export.COMPLETE_MARKER).exists(),
+                "valid": valid,
+                "leftovers": sorted(p.name for p in dest.parent.glob(f".{dest.name}.dsv4-*")),
             }
         )
     return results
@@ -164,4 +171,40 @@ def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing
         assert "(dead or hung)" in c["error"], c["error"]
         assert c["unchanged"], f"rank {r.rank}: destination changed after rank {kill_rank} died: {c['changed']}"
         assert not c["complete"] or c["unchanged"], f"rank {r.rank}: a new .complete appeared"
+    assert len({r.payload[0]["error"] for r in survivors}) == 1, "survivors raised different errors"
+
+
+@pytest.mark.parametrize(
+    "world_size,kill_rank",
+    [
+        pytest.param(2, 1, id="ws2-kill-rank1-after-commit-point"),
+        pytest.param(4, 2, id="ws4-kill-rank2-after-commit-point"),
+        pytest.param(2, 0, id="ws2-kill-writer-after-commit-point"),
+    ],
+)
+def test_a_rank_lost_after_the_commit_point_is_reported_and_the_committed_export_stands(
+    tmp_path: Path, world_size: int, kill_rank: int
+) -> None:
+    """Killed in the commit phase, after the writer's commit rename: the survivors still raise the same error
+    naming the lost rank, but it says the adapter WAS committed (or, for a lost writer, that the destination is
+    the new export or the old one), and the destination is the new complete export with no sidecars left."""
+    results = run_ranks(
+        _rank_export_matrix,
+        MatrixCase(str(tmp_path), world_size, kill=(kill_rank, "commit")),
+        nproc=world_size,
+        timeout_s=60,
+        expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),
+    )
+    survivors = [r for r in results if r.rank != kill_rank]
+    cleaner = 0 if kill_rank != 0 else 1  # the writer, or the survivor that recovers for a lost writer
+    for r in survivors:
+        (c,) = r.payload
+        assert c["error"] is not None, f"rank {r.rank} did not raise after rank {kill_rank} died"
+        assert f"rank {kill_rank}: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s in phase commit" in c["error"]
+        assert "Nothing was published" not in c["error"], f"rank {r.rank} denies a committed export: {c['error']}"
+        assert ("WAS committed" if kill_rank != 0 else "never a mix") in c["error"], c["error"]
+        assert not c["unchanged"], f"rank {r.rank}: the committed export was rolled back"
+        assert c["valid"] == "valid", f"rank {r.rank}: the committed destination does not validate: {c['valid']}"
+        if r.rank == cleaner:  # peers may look before the cleaning rank has deleted the old export
+            assert c["leftovers"] == [], f"rank {r.rank}: sidecars left next to the destination: {c['leftovers']}"
     assert len({r.payload[0]["error"] for r in survivors}) == 1, "survivors raised different errors"

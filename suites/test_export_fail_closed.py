@@ -146,3 +146,29 @@ def test_a_staged_file_that_differs_from_the_validated_tensors_is_never_publishe
         api.export_adapter(api.AdapterState(_good(), r=R, alpha=9.0), out)
     assert flipped and f"tensor {flipped[0]} on disk differs" in str(info.value), str(info.value)
     assert snapshot_tree(out) == before, "a corrupt staged adapter changed the destination"
+
+
+def test_a_cleanup_failure_after_the_commit_point_warns_and_keeps_the_committed_export(
+    api, tmp_path, monkeypatch
+) -> None:
+    """Deleting the replaced export happens after the commit point: its failure cannot un-commit, so it is a
+    RuntimeWarning (the next export's recovery deletes the leftover), not an export error."""
+    import shutil
+
+    out = tmp_path / "adapter"
+    api.export_adapter(api.AdapterState(_good(), r=R, alpha=8.0), out)
+    real_rmtree = shutil.rmtree
+
+    def rmtree_failing_on_trash(path, *args, **kwargs):
+        if str(path).endswith(".dsv4-trash") and not kwargs.get("ignore_errors"):
+            raise OSError("device busy (injected)")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_failing_on_trash)
+    with pytest.warns(RuntimeWarning, match=r"is committed, but cleaning up after the commit failed.*device busy"):
+        api.export_adapter(api.AdapterState(_good(), r=R, alpha=9.0), out)
+    monkeypatch.undo()
+    assert api.validate_adapter_dir(out)["config"]["lora_alpha"] == 9.0, "the committed export is not the new one"
+    assert (tmp_path / ".adapter.dsv4-trash").exists(), "the injected cleanup failure did not happen"
+    api.export_adapter(api.AdapterState(_good(), r=R, alpha=10.0), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"], "the next export did not clean up"
