@@ -107,6 +107,7 @@ class _Built:
     config: dict[str, Any]
     metadata: dict[str, str]
     modules: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)  # exported name -> the native name it came from
 
 
 def _single_state(state: AdapterState | Mapping[str, AdapterState]) -> AdapterState:
@@ -141,8 +142,11 @@ def _build(
     base_fingerprint: Mapping[str, Any] | None = None,
     base_shapes: Mapping[str, Sequence[int]] | None = None,
     mtp: str = "reject",
+    check_finite: bool = True,
 ) -> _Built:
-    """Validate (fail closed) and rename; shared by in-memory publication and file export."""
+    """Validate (fail closed) and rename; shared by in-memory publication and file export. The file export passes
+    ``check_finite=False``: it checks finiteness on the staged file's re-read instead (one pass, off the critical
+    path, see :class:`_StagedFileCheck`)."""
     st = _single_state(state)
     if dialect not in DIALECTS:
         raise ExportError(f"unknown dialect {dialect!r}; choose one of {sorted(DIALECTS)}")
@@ -195,6 +199,7 @@ def _build(
     shapes = _base_shapes(base_fingerprint, base_shapes)
     excluded: list[str] = []
     out: dict[str, torch.Tensor] = {}
+    sources: dict[str, str] = {}
     module_names: list[str] = []
     for key in sorted(modules):
         p = parsed[key]
@@ -227,13 +232,14 @@ def _build(
                     f"{a_name} {list(a.shape)} / {b_name} {list(b.shape)} disagree with base {base} "
                     f"[{out_f}, {in_f}]: expected lora_A [{st.r}, {in_f}], lora_B [{out_f}, {st.r}]"
                 )
-        for n, t in ((a_name, a), (b_name, b)):
+        for n, t in ((a_name, a), (b_name, b)) if check_finite else ():
             if not _all_finite(t):
                 raise NonFiniteAdapterError(f"{n} holds NaN/Inf values; refusing to publish a corrupt adapter")
         module = d.module_name(p.layer, p.row)
         module_names.append(module)
-        out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.detach().contiguous()
-        out[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.detach().contiguous()
+        for half, n, t in (("lora_A", a_name, a), ("lora_B", b_name, b)):
+            out[f"{PEFT_PREFIX}{module}.{half}.weight"] = t.detach().contiguous()
+            sources[f"{PEFT_PREFIX}{module}.{half}.weight"] = n
     if not out:
         raise EmptyAdapterError(f"no adapter tensors remain after excluding {excluded}; nothing was exported")
     config = {
@@ -257,13 +263,19 @@ def _build(
         metadata[METADATA_KEY] = json.dumps(base_fingerprint, sort_keys=True)
     if excluded:
         metadata["dsv4_excluded"] = json.dumps({"tensors": excluded, "reason": d.mtp_reason})
-    return _Built(out, config, metadata, module_names)
+    return _Built(out, config, metadata, module_names, sources)
 
 
 _EXPONENT_MASKS = {
     torch.bfloat16: (torch.int16, 0x7F80),
     torch.float16: (torch.int16, 0x7C00),
     torch.float32: (torch.int32, 0x7F800000),
+}
+# NaN/Inf <=> all exponent bits set <=> (bits without the sign) >= the exponent mask, on the unsigned view
+_NONFINITE_FLOOR = {
+    torch.bfloat16: (np.uint16, 0x7F80),
+    torch.float16: (np.uint16, 0x7C00),
+    torch.float32: (np.uint32, 0x7F800000),
 }
 
 
@@ -461,7 +473,7 @@ def _phase_gather(ctx: _Ctx) -> None:
 
 def _phase_serialize(ctx: _Ctx) -> None:
     if ctx.writer:
-        ctx.built = _build(ctx.state, **ctx.build_kwargs)
+        ctx.built = _build(ctx.state, **ctx.build_kwargs, check_finite=False)
         ctx.payload = {k: v.to("cpu") for k, v in ctx.built.tensors.items()}
 
 
@@ -474,7 +486,7 @@ def _phase_write(ctx: _Ctx) -> None:
         with open(staging / CONFIG_FILE, "w") as f:
             f.write(_config_text(ctx.built.config))
         # The re-read check needs only the page cache, so it runs while the fsync phase waits for the disk.
-        ctx.check = _StagedFileCheck(staging / ADAPTER_FILE, ctx.payload)
+        ctx.check = _StagedFileCheck(staging / ADAPTER_FILE, ctx.payload, ctx.built.sources)
 
 
 def _phase_fsync(ctx: _Ctx) -> None:
@@ -504,12 +516,15 @@ def _phase_validate(ctx: _Ctx) -> None:
 
 class _StagedFileCheck:
     """Background re-read of a written safetensors file through one read-only mmap: thread 1 compares every
-    tensor's bytes with the in-memory tensor it must hold, thread 2 computes the file's sha256 (both release the
-    GIL). :meth:`result` joins them and returns the digest or raises :class:`AdapterValidationError`."""
+    tensor's bytes with the in-memory tensor it must hold and checks the (equal) values for NaN/Inf, chunk by
+    chunk while they are in cache; thread 2 computes the file's sha256 (both release the GIL). :meth:`result`
+    joins them and returns the digest or raises :class:`AdapterValidationError` / :class:`NonFiniteAdapterError`
+    (naming the native tensor, from ``sources``)."""
 
-    def __init__(self, path: Path, payload: Mapping[str, torch.Tensor]):
-        self.path, self.payload = path, payload
+    def __init__(self, path: Path, payload: Mapping[str, torch.Tensor], sources: Mapping[str, str]):
+        self.path, self.payload, self.sources = path, payload, sources
         self.errors: list[str] = []
+        self.nonfinite: list[str] = []
         self.digest = ""
         with open(path, "rb") as f:
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -539,18 +554,28 @@ class _StagedFileCheck:
             if end - start != raw.size:
                 self.errors.append(f"{self.path}: tensor {name} has {end - start} bytes on disk, {raw.size} exported")
                 continue
+            floor = _NONFINITE_FLOOR.get(want.dtype)
+            finite = True if floor is not None else _all_finite(want)
             for i in range(0, raw.size, _CHUNK):  # chunked: no full-size temporary
-                if not np.array_equal(
-                    buf[base + start + i : base + start + min(i + _CHUNK, raw.size)], raw[i : i + _CHUNK]
-                ):
+                chunk = raw[i : i + _CHUNK]
+                if not np.array_equal(buf[base + start + i : base + start + i + chunk.size], chunk):
                     self.errors.append(f"{self.path}: tensor {name} on disk differs from the export")
                     break
+                if floor is not None and finite:  # the bytes on disk are these: check them while cached
+                    uint, lowest_bad = floor
+                    finite = int(np.bitwise_and(chunk.view(uint), ~uint(0) >> 1).max(initial=0)) < lowest_bad
+            if not finite:
+                self.nonfinite.append(f"{self.sources.get(name, name)} (exported as {name})")
         del buf
 
     def result(self) -> str:
         self.join()
         if self.errors:
             raise AdapterValidationError("; ".join(self.errors))
+        if self.nonfinite:
+            raise NonFiniteAdapterError(
+                f"{', '.join(self.nonfinite)} hold(s) NaN/Inf values; refusing to publish a corrupt adapter"
+            )
         return self.digest
 
     def join(self) -> None:

@@ -172,3 +172,21 @@ def test_a_cleanup_failure_after_the_commit_point_warns_and_keeps_the_committed_
     assert (tmp_path / ".adapter.dsv4-trash").exists(), "the injected cleanup failure did not happen"
     api.export_adapter(api.AdapterState(_good(), r=R, alpha=10.0), out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"], "the next export did not clean up"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=str)
+def test_a_non_finite_value_past_the_first_chunk_is_refused_by_the_file_export(api, tmp_path, dtype, bad) -> None:
+    """The file export checks finiteness on the staged file's re-read, chunk by chunk: the last element of a
+    tensor several chunks long must be seen, in every floating dtype the checker reads by its bits."""
+    tensors = {k: v.to(dtype) for k, v in _good().items()}
+    big = torch.zeros(3_000_000, R, dtype=dtype)  # 24-48 MB: several 8 MiB chunks
+    big[-1, -1] = bad
+    tensors[B0] = big
+    out = tmp_path / "adapter"
+    with pytest.raises(api.CollectiveExportError, match=B0.replace(".", r"\.") + r".*NaN/Inf") as info:
+        api.export_adapter(api.AdapterState(tensors, r=R, alpha=8.0), out)
+    assert type(info.value.__cause__).__name__ == "NonFiniteAdapterError", repr(info.value.__cause__)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [], "the refused export left files"
+    big[-1, -1] = 1.0
+    api.export_adapter(api.AdapterState(tensors, r=R, alpha=8.0), out)  # the same state, finite, exports
