@@ -38,7 +38,7 @@ from impl.export import AdapterState
 
 __all__ = ["AdapterGatherError", "gather_adapter_state", "native_adapter_name"]
 
-_PLAIN = re.compile(r"^decoder\.layers\.(\d+)\.self_attention\.([A-Za-z0-9_]+)\.adapter\.linear_(?:in|out)\.weight$")
+_PLAIN = re.compile(r"^decoder\.layers\.([0-9]+)\.self_attention\.([A-Za-z0-9_]+)\.adapter\.linear_(?:in|out)\.weight$")
 
 
 class AdapterGatherError(ExportError):

@@ -210,7 +210,7 @@ def _globalize(model: nn.Module, local: str) -> tuple[str, int | None]:
     parts = local.split(".")
     n_experts = None
     # PP: a decoder layer knows its global 0-based ``layer_number``.
-    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isdigit():
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isascii() and parts[2].isdigit():
         layer = model.get_submodule(".".join(parts[:3]))
         parts[2] = str(getattr(layer, "layer_number", parts[2]))
     # EP: ``local_experts.{e}`` -> global ``offset + e``; the MoE module knows its EP size.

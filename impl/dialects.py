@@ -114,7 +114,7 @@ DIALECTS: dict[str, Dialect] = {
 }
 
 _NATIVE_RE = re.compile(
-    r"^(?:decoder\.layers\.(?P<layer>\d+)|(?P<mtp>mtp\.layers\.0\.mtp_model_layer))"
+    r"^(?:decoder\.layers\.(?P<layer>[0-9]+)|(?P<mtp>mtp\.layers\.0\.mtp_model_layer))"
     r"\.self_attention\.(?P<leaf>[A-Za-z0-9_]+)\.adapter\.(?P<half>linear_in|linear_out)\.weight$"
 )
 

@@ -285,7 +285,7 @@ MAPPING_TABLE: tuple[MappingRow, ...] = _build_table()
 # --------------------------------------------------------------------------------------------------
 # exactly-once resolution
 
-_INDEX_SEGMENT = re.compile(r"\.(\d+)(?=\.)")  # an inner all-digit segment (the table has no other kind)
+_INDEX_SEGMENT = re.compile(r"\.([0-9]+)(?=\.)")  # an inner all-digit segment (the table has no other kind)
 
 
 def normalize(name: str) -> tuple[str, tuple[str, ...]]:
@@ -373,15 +373,15 @@ class NativeMatch(NamedTuple):
 
 # The hot path. Each index is compiled into two regexes, routed-expert patterns (94% of a full-size manifest:
 # 33k of Flash's 35k names) and the rest, so the common match runs a small automaton with few groups and the
-# rare one pays one extra failed match (about a third less per expert name than one regex over every pattern).
-# A regex is a character trie of its patterns, ``*`` as an ``(\d+)`` group, every pattern ending in an empty
-# marker group, so one C-level ``fullmatch`` names the row (``lastindex`` = its marker) and holds the captures.
-# Every branch of every alternation starts with a distinct literal (or ``\d``), which sre skips on the first
-# character, so matching is linear in the name. This is the same relation as "normalize, then look the key up"
-# (``*`` is a whole inner segment and no literal segment is all digits, both checked by ``_check_pattern``), so
-# a name fullmatches at most one pattern and the order of the tiers cannot change an answer;
-# :func:`_check_compiled` proves it on every pattern at import.
-# The result is built by a small function generated per pattern (an f-string over the match's groups, then the
+# rare one pays one extra failed match.
+# A regex is a character trie of its patterns, ``*`` as a ``([0-9]+)`` group (ASCII only: ``\d`` would also take
+# other scripts' digits, and ``int()`` reads them, so ``layers.\u0663`` would alias layer 3), every pattern ending in
+# an empty marker group, so one C-level ``fullmatch`` names the row (``lastindex`` = its marker) and holds the
+# captures. Matching is linear in the name: every alternation branches on its next character. This is the same
+# relation as "normalize, then look the key up" (``*`` is a whole inner segment and no literal segment is all
+# digits, both checked by ``_check_pattern``), so a name fullmatches at most one pattern and the order of the
+# tiers cannot change an answer; :func:`_check_compiled` proves it on every pattern at import.
+# The result is built by a small function generated per pattern (its groups fetched once, f-strings, then the
 # result tuple): about half the cost of ``template % m.group(...)``, which matters at 35k names per manifest.
 _END = object()  # trie leaf key
 _SAFE_PIECE = re.compile(r"[\w.]*")  # what may go verbatim into generated source
@@ -446,7 +446,7 @@ def _compile_tier(
                 continue
             if key == "*":
                 n_groups += 1
-                branches.append(r"(\d+)" + emit(child, (*captures, n_groups)))
+                branches.append(r"([0-9]+)" + emit(child, (*captures, n_groups)))
             else:
                 branches.append(re.escape(key) + emit(child, captures))
         if _END in node:  # last: a longer pattern sharing this prefix is tried first

@@ -71,7 +71,7 @@ def _base_headers(base: Path) -> dict[str, tuple[list[int], str]]:
 
 def _official_base_of(module: str) -> str | None:
     """The official base weight a PEFT module path (any of the three dialects) adapts, or None."""
-    m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.(.+)", module)
+    m = re.fullmatch(r"model\.layers\.([0-9]+)\.self_attn\.(.+)", module)
     if m:
         layer, rest = m.groups()
         if rest in _TF_MAIN:  # transformers dialect, main attention
@@ -84,13 +84,13 @@ def _official_base_of(module: str) -> str | None:
             return transformers_to_official_name(f"{module}.weight")
         except Exception:
             return None
-    if re.fullmatch(r"(layers\.\d+|mtp\.\d+)\.attn\..+", module):  # official dialect
+    if re.fullmatch(r"(layers\.[0-9]+|mtp\.[0-9]+)\.attn\..+", module):  # official dialect
         return f"{module}.weight"
     return None
 
 
 def _is_main_attention(official: str) -> bool:
-    m = re.fullmatch(r"(?:layers\.\d+|mtp\.\d+)\.attn\.([a-z_0-9]+)\.weight", official)
+    m = re.fullmatch(r"(?:layers\.[0-9]+|mtp\.[0-9]+)\.attn\.([a-z_0-9]+)\.weight", official)
     return bool(m) and m.group(1) in MAIN_OFFICIAL
 
 
@@ -114,7 +114,7 @@ def _dialect_paths(headers: dict[str, Any], dialect: str) -> dict[str, str]:
         if dialect == "official":
             out[name[: -len(".weight")]] = name
         elif dialect == "sglang":
-            m = re.fullmatch(r"layers\.(\d+)\.attn\.(.+)\.weight", name)
+            m = re.fullmatch(r"layers\.([0-9]+)\.attn\.(.+)\.weight", name)
             if m:
                 out[f"model.layers.{m.group(1)}.self_attn.{m.group(2)}"] = name
         else:
@@ -190,7 +190,7 @@ def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = Fal
 
     dialect = meta.get("dsv4_dialect") or (
         "official"
-        if any(re.match(r"(layers|mtp)\.\d+\.attn\.", m) for m in modules)
+        if any(re.match(r"(layers|mtp)\.[0-9]+\.attn\.", m) for m in modules)
         else "sglang"
         if any(re.search(r"self_attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer)", m) for m in modules)
         else "transformers"
@@ -264,7 +264,7 @@ def _forward_check(base: Path, adapter: Path, modules, r, alpha, res: VerifyResu
     from tiny_models.checkpoint import load_oracle
     from tiny_models.presets import min_seq_len
 
-    if not modules or not all(re.fullmatch(r"model\.layers\.\d+\.self_attn\.[a-z_]+", m) for m in modules):
+    if not modules or not all(re.fullmatch(r"model\.layers\.[0-9]+\.self_attn\.[a-z_]+", m) for m in modules):
         return VerifyCheck("forward", None, "only for transformers-dialect adapters")
     cfg = AutoConfig.from_pretrained(base)
     ids = torch.randint(0, cfg.vocab_size, (1, min_seq_len(cfg)), generator=torch.Generator().manual_seed(0))

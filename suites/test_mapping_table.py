@@ -1,6 +1,9 @@
 """The checkpoint-name table: one meaning per name, Megatron-Bridge mapping class per group, V4 rows win."""
 
+import re
+
 import pytest
+import torch
 
 from tiny_models.manifest import manifest
 from tiny_models.presets import flash_config
@@ -125,3 +128,27 @@ def test_mtp_rows_are_generated_from_the_layer_template(impl):
         assert (r.semantics, r.group) == (tpl.semantics, tpl.group), f"MTP row {r.native} diverged from {tpl.native}"
         assert r.official_names == tuple(o.replace("layers.*.", "mtp.*.", 1) for o in tpl.official_names)
     assert not any("compressor" in r.native or "tid2eid" in r.native for r in mtp_rows), "MTP layer is sliding/score"
+
+
+# Each is str.isdigit(); the first two are also regex \d, and int() reads them as 3.
+OTHER_SCRIPTS_DIGITS = {"arabic-indic": "\u0663", "fullwidth": "\uff13", "superscript": "\u00b3"}
+
+
+@pytest.mark.parametrize("digit", list(OTHER_SCRIPTS_DIGITS.values()), ids=list(OTHER_SCRIPTS_DIGITS))
+def test_an_index_written_in_another_scripts_digits_resolves_nowhere(impl, digit):
+    """Indices are ASCII digits: a resolver that took ``layers.\u0663`` would alias layer 3 under a name no checkpoint
+    or model has, and coverage would count it as mapped."""
+    for row in impl.MAPPING_TABLE:
+        for pattern in (*row.official_names, row.native):
+            for k in range(pattern.count("*")):  # the odd index in each wildcard position, the others ASCII
+                pieces = pattern.split("*")
+                name = "".join(p + (digit if i == k else "1") for i, p in enumerate(pieces[:-1])) + pieces[-1]
+                lookup = impl.lookup_native if pattern == row.native else impl.lookup_official
+                assert lookup(name) is None, f"{name!r} resolved to {lookup(name)}"
+    odd = f"layers.{digit}.attn.wq_a.weight"
+    report = impl.coverage_report([odd, "layers.3.attn.wq_a.weight"])
+    assert [e.status for e in report.entries] == ["unmapped", "mapped"], report.entries
+    adapter = f"decoder.layers.{digit}.self_attention.wq_a.adapter.linear_in.weight"
+    halves = {adapter: torch.zeros(4, 8), adapter.replace("linear_in", "linear_out"): torch.zeros(8, 4)}
+    with pytest.raises(impl.ExportError, match=re.escape(adapter)):
+        impl.publish_in_memory(impl.AdapterState(halves, r=4, alpha=8.0))

@@ -87,9 +87,9 @@ EXPERT_NAMES: dict[str, tuple[str, int | None]] = {
 }
 _TF_TO_LAYER = {v: k for k, v in LAYER_NAMES.items()}
 _TF_TO_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
-_OFFICIAL_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_OFFICIAL_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
-_TF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_OFFICIAL_LAYER = re.compile(r"^layers\.([0-9]+)\.(.+)$")
+_OFFICIAL_EXPERT = re.compile(r"^ffn\.experts\.([0-9]+)\.(w[123])\.weight$")
+_TF_LAYER = re.compile(r"^model\.layers\.([0-9]+)\.(.+)$")
 
 
 def official_to_transformers_name(name: str) -> str:
