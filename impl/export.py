@@ -266,27 +266,25 @@ def _build(
     return _Built(out, config, metadata, module_names, sources)
 
 
+# NaN/Inf <=> every exponent bit set <=> the bits without the sign, read unsigned, >= the exponent mask
 _EXPONENT_MASKS = {
-    torch.bfloat16: (torch.int16, 0x7F80),
-    torch.float16: (torch.int16, 0x7C00),
-    torch.float32: (torch.int32, 0x7F800000),
-}
-# NaN/Inf <=> all exponent bits set <=> (bits without the sign) >= the exponent mask, on the unsigned view
-_NONFINITE_FLOOR = {
     torch.bfloat16: (np.uint16, 0x7F80),
     torch.float16: (np.uint16, 0x7C00),
     torch.float32: (np.uint32, 0x7F800000),
 }
 
 
+def _finite_bits(raw: np.ndarray, dtype: torch.dtype) -> bool:
+    """No NaN/Inf among the bytes ``raw`` of a ``dtype`` in :data:`_EXPONENT_MASKS` (whole elements)."""
+    uint, mask = _EXPONENT_MASKS[dtype]
+    return int(np.bitwise_and(raw.view(uint), ~uint(0) >> 1).max(initial=0)) < mask
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     """NaN/Inf check on the exponent bits with numpy: torch.isfinite on CPU bf16 is far slower."""
-    spec = _EXPONENT_MASKS.get(t.dtype)
-    if spec is None or not t.is_contiguous():
+    if t.dtype not in _EXPONENT_MASKS:
         return bool(torch.isfinite(t).all())
-    int_dtype, mask = spec
-    bits = t.detach().to("cpu").view(int_dtype).reshape(-1).numpy()
-    return not bool(np.any((bits & np.array(mask, dtype=bits.dtype)) == mask))
+    return _finite_bits(_raw(t), t.dtype)
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -554,16 +552,15 @@ class _StagedFileCheck:
             if end - start != raw.size:
                 self.errors.append(f"{self.path}: tensor {name} has {end - start} bytes on disk, {raw.size} exported")
                 continue
-            floor = _NONFINITE_FLOOR.get(want.dtype)
-            finite = True if floor is not None else _all_finite(want)
+            by_bits = want.dtype in _EXPONENT_MASKS
+            finite = by_bits or _all_finite(want)
             for i in range(0, raw.size, _CHUNK):  # chunked: no full-size temporary
                 chunk = raw[i : i + _CHUNK]
                 if not np.array_equal(buf[base + start + i : base + start + i + chunk.size], chunk):
                     self.errors.append(f"{self.path}: tensor {name} on disk differs from the export")
                     break
-                if floor is not None and finite:  # the bytes on disk are these: check them while cached
-                    uint, lowest_bad = floor
-                    finite = int(np.bitwise_and(chunk.view(uint), ~uint(0) >> 1).max(initial=0)) < lowest_bad
+                if by_bits and finite:  # the bytes on disk are these: check them while cached
+                    finite = _finite_bits(chunk, want.dtype)
             if not finite:
                 self.nonfinite.append(f"{self.sources.get(name, name)} (exported as {name})")
         del buf
@@ -716,52 +713,40 @@ def export_adapter(
             cause = exc
             status = f"{type(exc).__name__}: {exc}"
         failures = ex.agree(phase, status)
-        if failures and phase == "commit":
-            raise _commit_phase_error(ctx, failures, writer_rank) from cause
-        if failures:
-            _roll_back(ctx, failures, writer_rank)
+        if not failures:
+            continue
+        head = f"adapter export to {ctx.out_dir} failed in phase {phase}: " + "; ".join(failures) + ". "
+        # Only the writer acts in the commit phase, so its own status says whether the commit point was passed.
+        writer_named = any(f.startswith(f"rank {writer_rank}: ") for f in failures)
+        if phase == "commit" and not writer_named:  # it committed; a peer lost after that cannot un-commit
+            _after_commit(ctx)
             raise CollectiveExportError(
-                f"adapter export to {ctx.out_dir} failed in phase {phase}: " + "; ".join(failures) + ". "
-                "Nothing was published and the destination is unchanged; fix the cause named above and re-run."
+                head + f"The new adapter WAS committed (rank {writer_rank} passed the commit point and "
+                f"{ctx.out_dir}/{COMPLETE_MARKER} certifies it); the rank(s) above were lost after that. Find out "
+                "why; the export itself need not be re-run."
             ) from cause
+        _roll_back(ctx, failures, writer_rank)
+        if phase == "commit" and _writer_lost(failures, writer_rank):  # before or after its rename: unknown
+            raise CollectiveExportError(
+                head + f"The writer (rank {writer_rank}) stopped inside the commit, so the destination holds either "
+                "the complete new adapter or the earlier export, never a mix; check its .complete "
+                "(impl.validate_adapter_dir) before using it."
+            ) from cause
+        raise CollectiveExportError(
+            head + "Nothing was published and the destination is unchanged; fix the cause named above and re-run."
+        ) from cause
     _after_commit(ctx)
     return ctx.out_dir
 
 
-def _commit_phase_error(ctx: _Ctx, failures: list[str], writer_rank: int) -> CollectiveExportError:
-    """A failure reported in the commit phase. Only the writer acts there, so its own status says whether the
-    commit point was passed: a writer error is the commit rename failing (roll back, nothing published); a
-    writer that answered "ok" committed, and a peer lost after that cannot un-commit; a writer that never
-    answered may have committed or not (a survivor's recovery settles it: new export or old, never a mix)."""
-    head = f"adapter export to {ctx.out_dir} failed in phase commit: " + "; ".join(failures) + ". "
-    writer_failed = any(f.startswith(f"rank {writer_rank}: ") for f in failures)
-    writer_lost = any(f.startswith(f"rank {writer_rank}: no response") for f in failures)
-    if writer_failed and not writer_lost:
-        _roll_back(ctx, failures, writer_rank)
-        return CollectiveExportError(
-            head + "Nothing was published and the destination is unchanged; fix the cause named above and re-run."
-        )
-    if writer_lost:
-        _roll_back(ctx, failures, writer_rank)
-        return CollectiveExportError(
-            head + f"The writer (rank {writer_rank}) stopped inside the commit, so the destination holds either the "
-            "complete new adapter or the earlier export, never a mix; check its .complete (impl.validate_adapter_dir) "
-            "before using it."
-        )
-    _after_commit(ctx)
-    if ctx.check is not None:
-        ctx.check.join()
-    ctx.payload = None
-    return CollectiveExportError(
-        head + f"The new adapter WAS committed (rank {writer_rank} passed the commit point and {ctx.out_dir}/"
-        f"{COMPLETE_MARKER} certifies it); the rank(s) above were lost after that. Find out why; the export itself "
-        "need not be re-run."
-    )
+def _writer_lost(failures: list[str], writer_rank: int) -> bool:
+    return any(f.startswith(f"rank {writer_rank}: no response") for f in failures)
 
 
 def _roll_back(ctx: _Ctx, failures: list[str], writer_rank: int) -> None:
-    writer_dead = any(f.startswith(f"rank {writer_rank}: no response") for f in failures)
-    if ctx.writer or (writer_dead and ctx.rank == min(r for r in range(ctx.world) if r != writer_rank)):
+    if ctx.writer or (
+        _writer_lost(failures, writer_rank) and ctx.rank == min(r for r in range(ctx.world) if r != writer_rank)
+    ):
         try:
             recover_export_dir(ctx.out_dir)
         except OSError:  # best effort; the next export's recovery retries
