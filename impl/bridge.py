@@ -444,16 +444,17 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
         if hit is None:
             offenders.append(f"unmapped native tensor {nt.name} {tuple(nt.tensor.shape)}: no row in impl.mapping")
             continue
-        mapping = _resolved(hit.row, nt.name)
-        expected = _expected_official_shapes(nt, hit.row, mapping)
+        _, row, officials = hit
+        mapping = _resolved(row, nt.name)
+        expected = _expected_official_shapes(nt, row, mapping)
         ok = True
-        for off, exp in zip(hit.official, expected, strict=True):
+        for off, exp in zip(officials, expected, strict=True):
             if off not in headers:
                 offenders.append(f"missing {off}: expected shape {exp}, needed by native {nt.name}")
                 ok = False
                 continue
             got = _effective_shape(off, headers)
-            if not _shape_ok(hit.row, exp, got, tuple(nt.tensor.shape)):
+            if not _shape_ok(row, exp, got, tuple(nt.tensor.shape)):
                 offenders.append(f"mis-shaped {off}: expected shape {exp}, got {got} (native {nt.name})")
                 ok = False
             consumed.add(off)
@@ -464,7 +465,7 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
             if scale in headers:
                 consumed.add(scale)
         if ok:
-            plan.append((nt, mapping, hit.row))
+            plan.append((nt, mapping, row))
 
     # Agree across ranks before any collective: which tensors some rank consumed, and every offender.
     gathered = _all_gather((sorted(consumed), offenders, any(n.startswith("mtp.") for n in native_names)))
@@ -484,7 +485,7 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
             report.declared_not_loaded[name] = "model built without MTP layers"
         else:
             hit = lookup_official(name) or (lookup_official(base) if base else None)
-            why = "no row in impl.mapping" if hit is None else f"no native tensor {hit.native} in this model"
+            why = "no row in impl.mapping" if hit is None else f"no native tensor {hit[2]} in this model"
             report.unmapped.append(name)
             all_offenders.append(f"unmapped checkpoint tensor {name} {headers[name].shape}: {why}")
     for name, files in sorted(dups.items()):
@@ -546,15 +547,15 @@ def export_official_state(model_chunks: nn.Module | list[nn.Module]) -> dict[str
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name in order:
-            hit = lookup_native(name)
-            mapping = _resolved(hit.row, name)
+            _, row, _ = lookup_native(name)
+            mapping = _resolved(row, name)
             nt = by_name.get(name)
             weights = nt.tensor.detach() if nt is not None else None
             module: Any = nt.module if nt is not None else None
-            if hit.row.is_expert and _ep_size_of(mapping) == 1:
+            if row.is_expert and _ep_size_of(mapping) == 1:
                 # EP=1 gathers nothing; Megatron-Bridge < 0.5 still all_gathers (needing a process group), 0.5+ skips.
                 mapping.gather_from_ep_ranks = lambda w, _module, hf_name: {str(hf_name): w}
-            if nt is not None and hit.row.is_expert:
+            if nt is not None and row.is_expert:
                 # Megatron-Bridge's EP gather reads num_moe_experts from the module's config.
                 module = SimpleNamespace(config=SimpleNamespace(num_moe_experts=nt.n_experts), _parameters={})
             for off, tensor in mapping.megatron_to_hf(weights, module).items():
@@ -601,10 +602,10 @@ def export_merged_state(
         stem = name_a[: -len(suffix_a)]
         b = adapter.tensors.get(stem + suffix_b)
         hit = lookup_native(stem + ".weight")
-        if b is None or hit is None or hit.row.is_gated:
+        if b is None or hit is None or hit[1].is_gated:
             why = "has no lora_B half" if b is None else "is not a LoRA-able base weight in impl.mapping"
             raise CheckpointMappingError(f"cannot merge adapter {stem}: {stem + '.weight'} {why}")
-        (off,) = hit.official
+        _, _, (off,) = hit
         base = state[off]
         delta = b.to(torch.float32) @ a.to(torch.float32)
         if delta.shape != base.shape:

@@ -92,9 +92,10 @@ def _implied_missing(names: set[str]) -> list[str]:
         hit = lookup_official(n)
         if hit is None:
             continue
-        native = lookup_native(hit.native)
-        missing.update(o for o in native.official if o not in names)
-        if hit.row.group == "expert":
+        _, row, native, _ = hit
+        _, _, officials = lookup_native(native)
+        missing.update(o for o in officials if o not in names)
+        if row.group == "expert":
             layer, _, rest = n.partition(".ffn.experts.")
             experts.setdefault(layer, set()).add(rest.split(".", 1)[0])
     all_experts = set().union(*experts.values()) if experts else set()
@@ -124,7 +125,8 @@ def coverage_report(
     for n in names:
         hit = lookup_official(n)
         if hit is not None:
-            report.entries.append(CoverageEntry(n, "mapped", hit.native, hit.row.semantics, hit.row.group))
+            _, row, native, _ = hit
+            report.entries.append(CoverageEntry(n, "mapped", native, row.semantics, row.group))
             continue
         base = scale_base(n)
         if base is not None and base in present and lookup_official(base) is not None:

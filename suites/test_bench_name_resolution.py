@@ -37,7 +37,7 @@ def test_bench_flash_manifest_name_resolution(impl):
 
     cfg = flash_config()
     official = [s.name for s in manifest(cfg) if not s.name.endswith(".scale")]
-    native = [impl.lookup_official(n).native for n in official]
+    native = [impl.lookup_official(n)[2] for n in official]
     mb = DeepSeekV4Bridge()
     mb.hf_config = cfg
     reg = mb.mapping_registry()

@@ -94,7 +94,8 @@ def test_group_builds_the_pinned_megatron_bridge_mapping(impl, group, native, of
     expected = getattr(param_mapping, cls)
     assert type(mapping) is expected, f"{native} ({group}) built {type(mapping).__name__}, expected {cls}"
     assert _hf_names(mapping) == official, f"{native} maps to {_hf_names(mapping)}"
-    assert impl.lookup_native(native).row.group == group, f"{native} is in group {impl.lookup_native(native).row.group}"
+    _, row, _ = impl.lookup_native(native)
+    assert row.group == group, f"{native} is in group {row.group}"
 
 
 def test_v4_rows_win_over_generic_deepseek_rows(impl):
@@ -115,8 +116,10 @@ def test_every_flash_name_resolves_both_ways_exactly_once(impl):
     for spec in manifest(flash_config(), with_scales=False):
         fwd = impl.lookup_official(spec.name)
         assert fwd is not None, f"official {spec.name} unmapped"
-        back = impl.lookup_native(fwd.native)
-        assert back is not None and spec.name in back.official, f"{spec.name} -> {fwd.native} -> {back}"
+        official, _, native, _ = fwd
+        assert official == spec.name, f"{spec.name} resolved as {official}"
+        back = impl.lookup_native(native)
+        assert back is not None and back[0] == native and spec.name in back[2], f"{spec.name} -> {native} -> {back}"
 
 
 def test_mtp_rows_are_generated_from_the_layer_template(impl):
