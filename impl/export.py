@@ -238,8 +238,8 @@ def _build(
         module = d.module_name(p.layer, p.row)
         module_names.append(module)
         for half, n, t in (("lora_A", a_name, a), ("lora_B", b_name, b)):
-            out[f"{PEFT_PREFIX}{module}.{half}.weight"] = t.detach().contiguous()
-            sources[f"{PEFT_PREFIX}{module}.{half}.weight"] = n
+            exported = f"{PEFT_PREFIX}{module}.{half}.weight"
+            out[exported], sources[exported] = t.detach().contiguous(), n
     if not out:
         raise EmptyAdapterError(f"no adapter tensors remain after excluding {excluded}; nothing was exported")
     config = {

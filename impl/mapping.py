@@ -424,16 +424,14 @@ def _compile_tier(index: Mapping[str, _Entry]) -> _Tier:
     return _Tier(re.compile(emit(trie, ())).fullmatch, leaves)
 
 
-def _result_source(
-    consts: dict[str, Any], entry: _Entry, targets: tuple[str, ...], captures: tuple[int, ...], many: bool
-) -> list[str]:
+def _result_source(consts: dict[str, Any], entry: _Entry, captures: tuple[int, ...], many: bool) -> list[str]:
     """Statements that return one pattern's result from ``name`` and its match ``m``: ``c0 = m[3]; c1 = m[4];
-    return (name, _k0, f"decoder.layers.{c0}.mlp...", _k1)`` (a tuple of names if ``many``). Non-literal values are
-    bound in ``consts``."""
+    return (name, _k0, f"decoder.layers.{c0}.mlp...", 'gate')`` (the other side's names from ``entry.target``, a
+    tuple of them if ``many``). The row is bound in ``consts``."""
     local = [f"c{i}" for i in range(len(captures))]
     exprs = []
-    for target in targets:
-        pieces = target.split("*")
+    for target in entry.target:
+        pieces = target.split("{}")
         if len(pieces) != len(captures) + 1 or not all(_SAFE_PIECE.fullmatch(p) for p in pieces):
             raise MappingTableError(f"cannot build names for {target!r} from groups {captures}")
         body = pieces[0] + "".join(f"{{{c}}}{piece}" for c, piece in zip(local, pieces[1:], strict=True))
@@ -446,7 +444,7 @@ def _result_source(
 
 
 def _compile_lookup(
-    name: str, index: Mapping[str, _Entry], other_side: Callable[[MappingRow], tuple[str, ...]], many: bool, doc: str
+    name: str, index: Mapping[str, _Entry], many: bool, doc: str
 ) -> tuple[Callable[[str], Any], tuple[_Tier, _Tier]]:
     """The generated lookup for one direction, and its (routed-expert, everything else) tiers."""
     hot = _compile_tier({p: e for p, e in index.items() if e.row.is_expert})
@@ -455,12 +453,12 @@ def _compile_lookup(
     src = ["def lookup(name):", "    m = _hot(name)", "    if m is not None:", "        i = m.lastindex"]
     for j, (marker, (entry, captures)) in enumerate(hot.leaves.items()):
         src.append(f"        {'elif' if j else 'if'} i == {marker}:")
-        src += ["            " + s for s in _result_source(consts, entry, other_side(entry.row), captures, many)]
+        src += ["            " + s for s in _result_source(consts, entry, captures, many)]
     src += ["    m = _cold(name)", "    if m is None:", "        return None", "    return _fins[m.lastindex](name, m)"]
     fins = [None] * (max(cold.leaves, default=0) + 1)
     for marker, (entry, captures) in cold.leaves.items():
         src.append(f"def _f{marker}(name, m):")
-        src += ["    " + s for s in _result_source(consts, entry, other_side(entry.row), captures, many)]
+        src += ["    " + s for s in _result_source(consts, entry, captures, many)]
     namespace: dict[str, Any] = {"__builtins__": {}, "_fins": fins, **consts}
     exec("\n".join(src), namespace)  # built from checked identifier pieces, reprs of roles and generated names only
     for marker in cold.leaves:
@@ -477,14 +475,12 @@ lookup_native: Callable[[str], NativeMatch | None]
 lookup_official, _OFFICIAL_TIERS = _compile_lookup(
     "lookup_official",
     _OFFICIAL_INDEX,
-    lambda row: (row.native,),
     many=False,
     doc="Resolve an official checkpoint name to ``(official, row, native, role)``; None if no row claims it.",
 )
 lookup_native, _NATIVE_TIERS = _compile_lookup(
     "lookup_native",
     _NATIVE_INDEX,
-    lambda row: row.official_names,
     many=True,
     doc="Resolve a native (global-index) parameter / buffer name to ``(native, row, official)``; None if no row "
     "claims it.",
