@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 
 #: module -> public names it provides
 _PUBLIC: dict[str, tuple[str, ...]] = {
-    "impl.adapter_gather": ("AdapterGatherError", "gather_adapter_state"),
-    "impl.bridge": (
+    "impl.adapter.gather": ("AdapterGatherError", "gather_adapter_state"),
+    "impl.conversion.bridge": (
         "DeepseekV4ConversionBridge",
         "LoadReport",
         "export_merged_state",
@@ -27,16 +27,16 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "CompatReport",
         "TransformerEngineStubError",
     ),
-    "impl.coverage": (
+    "impl.conversion.coverage": (
         "CoverageReport",
         "coverage_report",
     ),
-    "impl.detect": (
+    "impl.conversion.detect": (
         "V4_ARCHITECTURE",
         "is_deepseek_v4_config",
         "require_deepseek_v4_config",
     ),
-    "impl.dialects": ("DIALECTS",),
+    "impl.adapter.dialects": ("DIALECTS",),
     "impl.errors": (
         "CheckpointMappingError",
         "ConversionOnlyBridgeError",
@@ -51,7 +51,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "TargetError",
         "UnsupportedConfigError",
     ),
-    "impl.export": (
+    "impl.adapter.export": (
         "AdapterShapeError",
         "AdapterState",
         "AdapterValidationError",
@@ -67,26 +67,26 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "recover_export_dir",
         "validate_adapter_dir",
     ),
-    "impl.fingerprint": (
+    "impl.adapter.fingerprint": (
         "FingerprintMismatchError",
         "base_fingerprint",
         "read_adapter_fingerprint",
         "verify_fingerprint",
     ),
-    "impl.hardware": (
+    "impl.conversion.hardware": (
         "FusedKernelDefaults",
         "deepseek_v4_supports_blackwell_fused_kernels",
         "deepseek_v4_supports_fused_dsa_kernels",
         "fused_kernel_defaults",
     ),
-    "impl.lora": (
+    "impl.lora.wrappers": (
         "DeepseekV4LoRA",
         "LoraHandle",
         "apply_grouped_wo_a",
         "apply_lora",
         "make_lora_pre_wrap_hook",
     ),
-    "impl.mapping": (
+    "impl.conversion.mapping": (
         "MAPPING_TABLE",
         "MappingRow",
         "lookup_native",
@@ -122,21 +122,21 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "apply_interleaved_rope",
         "rope_inv_freq",
     ),
-    "impl.peft_loading": (
+    "impl.lora.peft_loader": (
         "GroupedLoraLinear",
         "load_peft_adapter",
     ),
-    "impl.pipeline": (
+    "impl.conversion.pipeline": (
         "generate_pipeline_layout",
         "resolve_pipeline_layout",
         "stage_layer_numbers",
         "validate_pipeline_layout",
     ),
-    "impl.provider": (
+    "impl.native.provider": (
         "DeepseekV4NativeProvider",
         "build_native_model",
     ),
-    "impl.recipe": (
+    "impl.cli.recipe": (
         "CHECKPOINT_ENV",
         "FLASH_SHAPE",
         "DeepseekV4LoRARecipe",
@@ -146,36 +146,36 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "tiny_variant",
         "to_qualify_args",
     ),
-    "impl.qualify": (
+    "impl.cli.qualify": (
         "QualifyOptions",
         "run_qualify",
     ),
-    "impl.schedule": ("ManualPipeline",),
-    "impl.targets": (
+    "impl.native.schedule": ("ManualPipeline",),
+    "impl.lora.targets": (
         "MAIN_ATTENTION_TARGETS",
         "TARGET_VOCABULARY",
         "qualify_exclusions",
         "qualify_targets",
     ),
-    "impl.verify": (
+    "impl.cli.verify": (
         "VerifyResult",
         "verify_adapter",
     ),
 }
 #: modules whose import needs megatron (compat layer first)
 _NEEDS_MEGATRON = {
-    "impl.adapter_gather",
-    "impl.bridge",
-    "impl.coverage",
-    "impl.lora",
-    "impl.mapping",
+    "impl.adapter.gather",
+    "impl.conversion.bridge",
+    "impl.conversion.coverage",
+    "impl.lora.wrappers",
+    "impl.conversion.mapping",
     "impl.native",
     "impl.native.attention",
     "impl.native.norm",
     "impl.native.rope",
-    "impl.provider",
-    "impl.qualify",
-    "impl.schedule",
+    "impl.native.provider",
+    "impl.cli.qualify",
+    "impl.native.schedule",
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 

@@ -2,7 +2,7 @@
 
 Fault matrix: world sizes 1, 2, 4 (8 with ``--nproc 8``) x failing rank x export phase. Each world size runs its
 whole matrix inside ONE spawned gloo group (cases run back to back, a barrier between them), which also proves
-that a failed export leaves the process group usable. Ranks load ``impl.export`` without ``impl/__init__``
+that a failed export leaves the process group usable. Ranks load ``impl.adapter.export`` without ``impl/__init__``
 (``fixtures.export_faults.load_export_module``): importing megatron in every rank would cost tens of seconds.
 """
 

@@ -30,7 +30,7 @@ TIMEOUT_S = 3 * 3600  # loading 160 GB of FP8/FP4 shards dominates
 
 @dataclass(frozen=True)
 class FlashRunCase:
-    recipe: Any  # impl.recipe.DeepseekV4LoRARecipe (frozen, picklable)
+    recipe: Any  # impl.cli.recipe.DeepseekV4LoRARecipe (frozen, picklable)
     out: str
     steps: int = TRAIN_STEPS
     seed: int = 0
@@ -45,7 +45,7 @@ def rank_flash_lora_recipe(rank: int, world_size: int, case: FlashRunCase) -> di
     from fixtures.multirank import init_megatron_parallel
 
     api = load_impl("impl")
-    from impl.adapter_gather import gather_adapter_state
+    from impl.adapter.gather import gather_adapter_state
 
     recipe = case.recipe
     assert world_size == recipe.world_size, f"recipe wants {recipe.world_size} ranks, launched {world_size}"

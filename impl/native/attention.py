@@ -41,7 +41,7 @@ def grouped_wo_a(module: nn.Module, x_grouped: torch.Tensor, *, groups: int, gro
 
     Group ``g`` only sees its own head block: ``z_g = x_g @ W_g^T`` with ``W = weight.view(G, R, H*D/G)``.
     ``G`` is the rank-local group count under TP. A LoRA-wrapped ``wo_a`` is delegated to
-    :func:`impl.lora.apply_grouped_wo_a`, which adds the adapter delta block-diagonally.
+    :func:`impl.lora.wrappers.apply_grouped_wo_a`, which adds the adapter delta block-diagonally.
     """
     weight = getattr(module, "to_wrap", module).weight
     in_per_group = x_grouped.shape[-1]
@@ -56,7 +56,9 @@ def grouped_wo_a(module: nn.Module, x_grouped: torch.Tensor, *, groups: int, gro
             f"({groups * group_out}, {in_per_group}) for {groups} local groups; check the TP split of wo_a"
         )
     if hasattr(module, "adapter"):
-        from impl.lora import apply_grouped_wo_a  # lazy: impl.lora imports Megatron-Bridge's PEFT stack
+        from impl.lora.wrappers import (
+            apply_grouped_wo_a,  # lazy: impl.lora.wrappers imports Megatron-Bridge's PEFT stack
+        )
 
         return apply_grouped_wo_a(module, x_grouped, groups=groups, group_out=group_out)
     return torch.einsum("bsgd,grd->bsgr", x_grouped, weight.view(groups, group_out, in_per_group))

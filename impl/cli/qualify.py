@@ -80,9 +80,9 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     from transformers import AutoConfig
 
     import impl
-    from impl.adapter_gather import gather_adapter_state
-    from impl.dialects import TARGET_BY_NATIVE, official_base_name
-    from impl.schedule import ManualPipeline
+    from impl.adapter.dialects import TARGET_BY_NATIVE, official_base_name
+    from impl.adapter.gather import gather_adapter_state
+    from impl.native.schedule import ManualPipeline
 
     checks: list[Check] = []
     progress = _Progress(rank, 6)
@@ -263,7 +263,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
 
 
 def _native_leaves(targets) -> list[str]:
-    from impl.dialects import TARGETS
+    from impl.adapter.dialects import TARGETS
 
     by_any = {}
     for row in TARGETS:
@@ -285,9 +285,9 @@ def versions() -> dict[str, str]:
 
 def run_qualify(opts: QualifyOptions, *, nproc: int) -> list[Check]:
     """Every check, in order (host-side checks first, then rank 0's)."""
-    from impl.coverage import coverage_report
-    from impl.detect import is_deepseek_v4_config, require_deepseek_v4_config
-    from impl.launch import run_on_ranks
+    from impl.cli.launch import run_on_ranks
+    from impl.conversion.coverage import coverage_report
+    from impl.conversion.detect import is_deepseek_v4_config, require_deepseek_v4_config
 
     checks: list[Check] = []
     base = Path(opts.base)

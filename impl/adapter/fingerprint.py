@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from impl.dialects import DIALECTS, TARGETS
+from impl.adapter.dialects import DIALECTS, TARGETS
 from impl.errors import Dsv4Error
 
 FINGERPRINT_VERSION = 1

@@ -32,9 +32,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
-from impl.dialects import TARGETS
+from impl.adapter.dialects import TARGETS
+from impl.adapter.export import AdapterState
 from impl.errors import ExportError
-from impl.export import AdapterState
 
 __all__ = ["AdapterGatherError", "gather_adapter_state", "native_adapter_name"]
 
@@ -139,9 +139,9 @@ def gather_adapter_state(
 
     Call on every rank. Returns the :class:`AdapterState` on global rank ``writer_rank`` and ``None`` elsewhere
     (``writer_rank=None``: on every rank).
-    ``handle_or_lora`` is the :class:`impl.lora.LoraHandle` (or its ``DeepseekV4LoRA``) that built the adapters;
+    ``handle_or_lora`` is the :class:`impl.lora.wrappers.LoraHandle` (or its ``DeepseekV4LoRA``) that built the adapters;
     ``r``/``alpha``/``dropout`` come from it. No adapters at all -> a state with no tensors (the exporter refuses
-    it with :class:`impl.export.EmptyAdapterError`). ``targets``/``num_layers`` are filled only for the five
+    it with :class:`impl.adapter.export.EmptyAdapterError`). ``targets``/``num_layers`` are filled only for the five
     exportable attention leaves, and ``num_layers`` only when every such leaf is present in every layer, so the
     exporter's coverage check applies without rejecting a deliberately layer-restricted adapter.
     """

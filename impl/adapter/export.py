@@ -49,9 +49,9 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from impl.dialects import DIALECTS, PEFT_PREFIX, Dialect, official_base_name, parse_native
+from impl.adapter.dialects import DIALECTS, PEFT_PREFIX, Dialect, official_base_name, parse_native
+from impl.adapter.fingerprint import METADATA_KEY, verify_fingerprint
 from impl.errors import ExportError, MultiLoRAUnsupportedError
-from impl.fingerprint import METADATA_KEY, verify_fingerprint
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"

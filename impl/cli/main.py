@@ -23,7 +23,7 @@ def _status(passed: bool | None) -> str:
 
 
 def cmd_qualify(args: argparse.Namespace) -> int:
-    from impl.qualify import QualifyOptions, run_qualify, versions
+    from impl.cli.qualify import QualifyOptions, run_qualify, versions
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     except Exception as exc:  # report, don't traceback: the JSON still records what ran
         checks, error = [], f"{type(exc).__name__}: {exc}"
     wall = time.perf_counter() - t0
-    from impl.qualify import Check
+    from impl.cli.qualify import Check
 
     if error:
         checks.append(Check("run", False, error.splitlines()[0][:300], {"error": error}, 0.0))
@@ -83,7 +83,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
 
 
 def cmd_verify_adapter(args: argparse.Namespace) -> int:
-    from impl.verify import verify_adapter
+    from impl.cli.verify import verify_adapter
 
     result = verify_adapter(args.base, args.adapter, forward=args.forward)
     _print_table([("check", "result", "detail")] + [(c.name, _status(c.passed), c.figure) for c in result.checks])
@@ -94,7 +94,7 @@ def cmd_verify_adapter(args: argparse.Namespace) -> int:
 
 
 def cmd_coverage(args: argparse.Namespace) -> int:
-    from impl.coverage import coverage_report
+    from impl.conversion.coverage import coverage_report
 
     if args.base:
         report = coverage_report(Path(args.base))

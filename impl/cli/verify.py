@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from impl.dialects import PEFT_PREFIX, TARGETS
+from impl.adapter.dialects import PEFT_PREFIX, TARGETS
 
 MAIN_OFFICIAL = {row.official for row in TARGETS}
 _TF_MAIN = {row.transformers: row.official for row in TARGETS}
@@ -129,7 +129,7 @@ def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = Fal
     """Every check in the module docstring; never raises on a bad adapter (problems are listed)."""
     from safetensors import safe_open
 
-    from impl.fingerprint import read_adapter_fingerprint, verify_fingerprint
+    from impl.adapter.fingerprint import read_adapter_fingerprint, verify_fingerprint
 
     base, adapter = Path(base), Path(adapter)
     res = VerifyResult()
@@ -260,7 +260,7 @@ def _forward_check(base: Path, adapter: Path, modules, r, alpha, res: VerifyResu
     import torch
     from transformers import AutoConfig
 
-    from impl.peft_loading import load_peft_adapter
+    from impl.lora.peft_loader import load_peft_adapter
     from tiny_models.checkpoint import load_oracle
     from tiny_models.presets import min_seq_len
 

@@ -1,4 +1,4 @@
-"""Coverage of a checkpoint (dir) or manifest by :data:`impl.mapping.MAPPING_TABLE`.
+"""Coverage of a checkpoint (dir) or manifest by :data:`impl.conversion.mapping.MAPPING_TABLE`.
 
 Per tensor: the native name and semantics it maps to. Totals: mapped, declared-not-loaded (``.scale``
 companions consumed by dequantization of their ``.weight``), unmapped (no row), missing (a row's partner or a
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from impl.conversion.mapping import expected_official_names, lookup_native, lookup_official, scale_base
 from impl.errors import CorruptCheckpointError
-from impl.mapping import expected_official_names, lookup_native, lookup_official, scale_base
 
 __all__ = ["CoverageEntry", "CoverageReport", "coverage_report"]
 
@@ -111,7 +111,7 @@ def coverage_report(
     """Map every tensor name of a checkpoint dir / manifest / name list through the table.
 
     With ``config`` (V4Config, transformers config or ``config.json`` dict; read from the dir's ``config.json``
-    when given a dir), "missing" is exact: every name :func:`impl.mapping.expected_official_names` implies.
+    when given a dir), "missing" is exact: every name :func:`impl.conversion.mapping.expected_official_names` implies.
     """
     names = _names_of(names_or_manifest)
     present = set(names)
@@ -132,7 +132,7 @@ def coverage_report(
         if base is not None and base in present and lookup_official(base) is not None:
             report.entries.append(CoverageEntry(n, "declared", reason=f"block scale of {base} (dequantized on load)"))
             continue
-        report.entries.append(CoverageEntry(n, "unmapped", reason="no row in impl.mapping"))
+        report.entries.append(CoverageEntry(n, "unmapped", reason="no row in impl.conversion.mapping"))
     if config is not None:
         report.missing = [n for n in expected_official_names(config) if n not in present]
     else:

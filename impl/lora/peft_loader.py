@@ -6,7 +6,7 @@ whose forward applies rows ``g*R .. (g+1)*R`` to input group ``g`` only. Stock P
 (``[.., G, R]``) and fails. ``merge_and_unload`` is right, because ``W + (alpha/r) B@A`` has the weight's shape;
 :class:`GroupedLoraLinear` makes the unmerged forward right as well by adding only the diagonal blocks: group
 ``g`` gets ``(alpha/r) * B_g @ A @ x_g`` with ``B_g`` the rows of group ``g``, the same function the native grouped
-LoRA computes (:func:`impl.lora.apply_grouped_wo_a`). No megatron import: this is the consumer side.
+LoRA computes (:func:`impl.lora.wrappers.apply_grouped_wo_a`). No megatron import: this is the consumer side.
 """
 
 from __future__ import annotations

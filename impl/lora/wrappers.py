@@ -35,8 +35,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from impl.errors import GroupedLoRAError, MultiLoRAUnsupportedError, TargetError
+from impl.lora.targets import bridge_pattern_matches, qualify_exclusions, qualify_targets
 from impl.native.norm import ReplicatedLinear
-from impl.targets import bridge_pattern_matches, qualify_exclusions, qualify_targets
 
 __all__ = [
     "DeepseekV4LoRA",
@@ -153,7 +153,7 @@ class GroupedLoRALinear(LoRALinear):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any):
         raise GroupedLoRAError(
             f"{self.adapter.base_linear_name}: grouped wo_a cannot run as a dense linear (that would give each "
-            "group all G*R outputs); call impl.lora.apply_grouped_wo_a(module, x_grouped, groups=, group_out=)"
+            "group all G*R outputs); call impl.lora.wrappers.apply_grouped_wo_a(module, x_grouped, groups=, group_out=)"
         )
 
 

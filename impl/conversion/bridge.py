@@ -1,6 +1,6 @@
 """Conversion-only Megatron-Bridge bridge for the native DeepSeek-V4 graph: strict load and export.
 
-Every mapping object is a real Megatron-Bridge ``MegatronParamMapping`` built from :data:`impl.mapping.MAPPING_TABLE`,
+Every mapping object is a real Megatron-Bridge ``MegatronParamMapping`` built from :data:`impl.conversion.mapping.MAPPING_TABLE`,
 so TP scatter/gather, EP gather and PP broadcast are Megatron-Bridge's own code.
 
 Registration and dispatch (Megatron-Bridge 0.6.2, ``models/decorators/dispatch.py``): ``register_bridge`` keys
@@ -54,9 +54,9 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from torch import nn
 
-from impl.adapter_gather import gather_adapter_state
+from impl.adapter.gather import gather_adapter_state
+from impl.conversion.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
 from impl.errors import CheckpointMappingError, ConversionOnlyBridgeError, CorruptCheckpointError, QuantizationError
-from impl.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
 
 try:  # Megatron-Bridge >= 0.5.0 dequantizes FP8 / MXFP4 checkpoint weights; 0.4.x has no such module.
     from megatron.bridge.models.conversion.quantization_utils import maybe_dequantize_hf_quantized_weight
@@ -122,7 +122,7 @@ class DeepseekV4ConversionBridge(MegatronModelBridge):
     def provider_bridge(self, hf_pretrained: Any) -> Any:
         raise ConversionOnlyBridgeError(
             "DeepseekV4ConversionBridge is conversion-only: it maps weights, it does not build models. "
-            "Build the native model with impl.provider (the native provider), then load with "
+            "Build the native model with impl.native.provider (the native provider), then load with "
             "impl.load_official_checkpoint."
         )
 
@@ -197,7 +197,7 @@ def _native_tensors(chunks: list[nn.Module]) -> list[_NativeTensor]:
         named = [(n, p) for n, p in model.named_parameters() if "_extra_state" not in n]
         named += [(n, b) for n, b in persistent_buffers(model) if "_extra_state" not in n]
         for local, tensor in named:
-            if ".adapter." in local:  # LoRA halves belong to the adapter path (impl.adapter_gather), not the base
+            if ".adapter." in local:  # LoRA halves belong to the adapter path (impl.adapter.gather), not the base
                 continue
             owner_name = local.rpartition(".")[0]
             module = model.get_submodule(owner_name) if owner_name else model
@@ -442,7 +442,9 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
         native_names.append(nt.name)
         hit = lookup_native(nt.name)
         if hit is None:
-            offenders.append(f"unmapped native tensor {nt.name} {tuple(nt.tensor.shape)}: no row in impl.mapping")
+            offenders.append(
+                f"unmapped native tensor {nt.name} {tuple(nt.tensor.shape)}: no row in impl.conversion.mapping"
+            )
             continue
         _, row, officials = hit
         mapping = _resolved(row, nt.name)
@@ -485,7 +487,7 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
             report.declared_not_loaded[name] = "model built without MTP layers"
         else:
             hit = lookup_official(name) or (lookup_official(base) if base else None)
-            why = "no row in impl.mapping" if hit is None else f"no native tensor {hit[2]} in this model"
+            why = "no row in impl.conversion.mapping" if hit is None else f"no native tensor {hit[2]} in this model"
             report.unmapped.append(name)
             all_offenders.append(f"unmapped checkpoint tensor {name} {headers[name].shape}: {why}")
     for name, files in sorted(dups.items()):
@@ -542,7 +544,8 @@ def export_official_state(model_chunks: nn.Module | list[nn.Module]) -> dict[str
     unmapped = [n for n in order if lookup_native(n) is None]
     if unmapped:
         raise CheckpointMappingError(
-            f"{len(unmapped)} native tensors have no row in impl.mapping and cannot be exported: " + ", ".join(unmapped)
+            f"{len(unmapped)} native tensors have no row in impl.conversion.mapping and cannot be exported: "
+            + ", ".join(unmapped)
         )
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -582,8 +585,8 @@ def export_merged_state(
     (:func:`load_official_checkpoint`), so the merge is exact in the same sense. Writing the result
     back in the base's FP8 / MXFP4 format would re-quantize ``W + delta`` (lossy; Megatron-Bridge 0.6.2 re-quantizes
     before merging and crashes), so a quantized ``dtype`` is refused with :class:`QuantizationError` on every rank
-    before any collective. ``lora`` is the :class:`impl.lora.LoraHandle` (or its LoRA) that built the adapters.
-    Portable V4 adapters are adapter-only (:mod:`impl.export`); this exists for users who must hand a merged model
+    before any collective. ``lora`` is the :class:`impl.lora.wrappers.LoraHandle` (or its LoRA) that built the adapters.
+    Portable V4 adapters are adapter-only (:mod:`impl.adapter.export`); this exists for users who must hand a merged model
     to a system without LoRA support.
     """
     if dtype is not None and (not dtype.is_floating_point or dtype.itemsize < 2):
@@ -603,7 +606,7 @@ def export_merged_state(
         b = adapter.tensors.get(stem + suffix_b)
         hit = lookup_native(stem + ".weight")
         if b is None or hit is None or hit[1].is_gated:
-            why = "has no lora_B half" if b is None else "is not a LoRA-able base weight in impl.mapping"
+            why = "has no lora_B half" if b is None else "is not a LoRA-able base weight in impl.conversion.mapping"
             raise CheckpointMappingError(f"cannot merge adapter {stem}: {stem + '.weight'} {why}")
         _, _, (off,) = hit
         base = state[off]

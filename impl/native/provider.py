@@ -1,7 +1,7 @@
 """The native DeepSeek-V4 provider: builds model chunks for a TP / EP / PP (/ virtual PP) layout.
 
 V4 is never routed through Megatron-Bridge's AutoBridge provider selection: the HF config is checked
-with :func:`impl.detect.require_deepseek_v4_config`, the layout is validated before anything is
+with :func:`impl.conversion.detect.require_deepseek_v4_config`, the layout is validated before anything is
 built, and Megatron-Bridge's own ``provide_distributed_model`` then runs the pre-wrap hooks (PEFT)
 on the bare chunks **before** DDP wrapping, so DDP's gradient buffers hold exactly the parameters
 the hooks left trainable.
@@ -23,11 +23,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.module import MegatronModule
 
-from impl.detect import require_deepseek_v4_config
+from impl.conversion.detect import require_deepseek_v4_config
+from impl.conversion.pipeline import Layout, resolve_pipeline_layout, stage_layer_numbers
 from impl.errors import MultiLoRAUnsupportedError, UnsupportedConfigError
 from impl.native.config import V4Config
 from impl.native.model import DeepseekV4NativeModel, validate_parallel_layout
-from impl.pipeline import Layout, resolve_pipeline_layout, stage_layer_numbers
 
 PreWrapHook = Callable[[list[MegatronModule]], list[MegatronModule] | None]
 

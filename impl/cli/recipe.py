@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from impl.conversion.hardware import FusedKernelDefaults, fused_kernel_defaults
+from impl.conversion.pipeline import Layout, generate_pipeline_layout, validate_pipeline_layout
 from impl.errors import UnsupportedConfigError
-from impl.hardware import FusedKernelDefaults, fused_kernel_defaults
-from impl.pipeline import Layout, generate_pipeline_layout, validate_pipeline_layout
 
 __all__ = [
     "CHECKPOINT_ENV",
@@ -33,7 +33,7 @@ __all__ = [
 
 CHECKPOINT_ENV = "DSV4_FLASH_CHECKPOINT"
 #: The five attention projections (native names). ``wo_a`` is the grouped output projection: it gets the
-#: block-diagonal grouped LoRA of impl.lora, which plain PEFT-on-transformers recipes must skip.
+#: block-diagonal grouped LoRA of impl.lora.wrappers, which plain PEFT-on-transformers recipes must skip.
 ATTENTION_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 
 
