@@ -53,30 +53,6 @@ class ModelShape:
     o_groups: int
     vocab_size: int
 
-    @classmethod
-    def from_hf(cls, hf_config: Any, name: str = "") -> ModelShape:
-        return cls(
-            name=name or getattr(hf_config, "name_or_path", "") or "deepseek_v4",
-            num_layers=hf_config.num_hidden_layers,
-            num_hash_layers=_hash_prefix(hf_config),
-            mtp_layers=getattr(hf_config, "num_nextn_predict_layers", 0) or 0,
-            num_experts=hf_config.n_routed_experts,
-            num_heads=hf_config.num_attention_heads,
-            o_groups=hf_config.o_groups,
-            vocab_size=hf_config.vocab_size,
-        )
-
-
-def _hash_prefix(hf_config: Any) -> int:
-    # transformers folds num_hash_layers into mlp_layer_types (a "hash_moe" prefix)
-    types = getattr(hf_config, "mlp_layer_types", None)
-    if types is None:
-        return getattr(hf_config, "num_hash_layers", 0) or 0
-    count = 0
-    while count < len(types) and types[count] == "hash_moe":
-        count += 1
-    return count
-
 
 #: DeepSeek-V4-Flash, from the published config.json (v4_architecture.md §2.1).
 FLASH_SHAPE = ModelShape(

@@ -94,7 +94,11 @@ def _grouped_name(module: nn.Module, name: str | None) -> str:
     if name:
         return name
     adapter = getattr(module, "adapter", None)
-    return getattr(adapter, "base_linear_name", None) or getattr(module, "dsv4_name", None) or "grouped linear"
+    return (
+        getattr(adapter, "base_linear_name", None)
+        or getattr(module, "dsv4_name", None)
+        or "|".join(sorted(GROUPED_LEAVES))
+    )
 
 
 def apply_grouped_wo_a(
