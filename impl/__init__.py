@@ -36,7 +36,13 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "is_deepseek_v4_config",
         "require_deepseek_v4_config",
     ),
-    "impl.adapter.dialects": ("DIALECTS",),
+    "impl.adapter.dialects": (
+        "DIALECTS",
+        "match_native",
+        "parse_native",
+        "resolve_module",
+        "translate_module",
+    ),
     "impl.errors": (
         "CheckpointMappingError",
         "ConversionOnlyBridgeError",
@@ -142,6 +148,8 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "DeepseekV4LoRARecipe",
         "ModelShape",
         "OptimizerSettings",
+        "TINY_MODELS",
+        "TinyModel",
         "deepseek_v4_flash_lora_recipe",
         "tiny_variant",
         "to_qualify_args",
@@ -153,10 +161,18 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.native.schedule": ("ManualPipeline",),
     "impl.lora.targets": (
         "MAIN_ATTENTION_TARGETS",
+        "NESTED_ATTENTION_TARGETS",
         "TARGET_VOCABULARY",
         "qualify_exclusions",
         "qualify_targets",
     ),
+    "impl.lora.vocabulary": (
+        "ParallelStyle",
+        "TARGET_TABLE",
+        "TargetRow",
+        "TargetTable",
+    ),
+    "impl.cli.main": ("build_parser",),
     "impl.cli.verify": (
         "VerifyResult",
         "verify_adapter",

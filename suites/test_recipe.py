@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fixtures.subproc import REPO_ROOT, run
-from tiny_models.presets import flash_config, get_preset
+from tiny_models.presets import flash_config, get_preset, min_seq_len
 
 pytestmark = pytest.mark.cpu
 
@@ -187,6 +187,24 @@ def test_tiny_variant_keeps_every_structural_choice(impl):
         who="tiny pp2",
     )
     assert _hash_prefix(cfg) >= 1, "tiny-tp lost its hash layer; the variant would not test hash placement"
+    m = tiny.model
+    got = (m.num_layers, m.num_hash_layers, m.mtp_layers, m.num_experts, m.num_heads, m.o_groups, m.vocab_size)
+    want = (
+        cfg.num_hidden_layers,
+        _hash_prefix(cfg),
+        cfg.num_nextn_predict_layers,
+        cfg.n_routed_experts,
+        cfg.num_attention_heads,
+        cfg.o_groups,
+        cfg.vocab_size,
+    )
+    assert got == want, f"the tiny variant's model facts {got} differ from the tiny-tp preset qualify writes {want}"
+    assert tiny.seq_length == min_seq_len(cfg), f"seq_length {tiny.seq_length}, preset's full-coverage length"
+
+
+def test_tiny_variant_on_an_unknown_preset_is_rejected(impl):
+    with pytest.raises(impl.UnsupportedConfigError, match="no tiny model 'tiny-huge'"):
+        impl.tiny_variant(preset="tiny-huge")
 
 
 def test_qualify_args_carry_the_recipe_and_need_a_checkpoint(impl, monkeypatch, tmp_path):

@@ -1,6 +1,7 @@
-"""Naming dialects of a portable DeepSeek-V4 LoRA adapter: ONE table drives all three.
+"""Naming dialects of a portable DeepSeek-V4 LoRA adapter: ONE target table drives all three.
 
-The five attention targets of V4 (native Megatron leaf under ``self_attention``) and their names in
+The attention targets of V4 (:data:`impl.lora.vocabulary.TARGET_TABLE`: native path under ``self_attention``)
+and their names in
 
 * ``transformers`` (default): ``base_model.model.model.layers.N.self_attn.<hf leaf>.lora_{A,B}.weight``,
   loadable with ``peft.PeftModel.from_pretrained`` on transformers' ``DeepseekV4ForCausalLM``;
@@ -8,6 +9,10 @@ The five attention targets of V4 (native Megatron leaf under ``self_attention``)
   vLLM's V4 LoRA expects; MTP is ``mtp.0.attn.<leaf>``);
 * ``sglang``: ``base_model.model.model.layers.N.self_attn.<official leaf>.lora_{A,B}.weight`` (the Miles
   rollout path).
+
+Names translate both ways: :meth:`Dialect.module_name` writes a module path, :meth:`Dialect.parse_module` and
+:func:`resolve_module` read one back; :func:`parse_native` reads the native LoRA parameter names the exporter
+takes. Only main-attention rows are exportable.
 
 MTP: transformers has no MTP module and SGLang serves MTP as a separate draft model whose LoRA path is
 unverified, so those dialects declare MTP unsupported (``mtp_reason``); the exporter then rejects MTP
@@ -17,31 +22,15 @@ adapters unless the caller asks to exclude them (the exclusion is recorded in th
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass
+from functools import cache
 
 from impl.errors import ExportError
+from impl.lora.vocabulary import ATTENTION_SCOPE, TARGET_TABLE, TargetRow, TargetTable
 
 #: Prefix PEFT puts in front of every module name in ``adapter_model.safetensors``.
 PEFT_PREFIX = "base_model.model."
-
-
-@dataclass(frozen=True)
-class TargetRow:
-    native: str  # leaf under ``self_attention`` in the native Megatron graph
-    official: str  # leaf under ``attn`` in the official checkpoint (also SGLang / vLLM module leaf)
-    transformers: str  # leaf under ``self_attn`` in transformers' DeepseekV4ForCausalLM
-    grouped: bool  # block-diagonal (grouped) forward: PEFT's unmerged forward is wrong, merge instead
-
-
-#: The table. Order is the canonical export order.
-TARGETS: tuple[TargetRow, ...] = (
-    TargetRow("wq_a", "wq_a", "q_a_proj", False),
-    TargetRow("wq_b", "wq_b", "q_b_proj", False),
-    TargetRow("wkv", "wkv", "kv_proj", False),
-    TargetRow("wo_a", "wo_a", "o_a_proj", True),
-    TargetRow("wo_b", "wo_b", "o_b_proj", False),
-)
-TARGET_BY_NATIVE: dict[str, TargetRow] = {row.native: row for row in TARGETS}
 
 
 @dataclass(frozen=True)
@@ -51,7 +40,7 @@ class Dialect:
     leaf_column: str  # which TargetRow column names the leaf
     mtp_module: str | None  # format string with {leaf}, or None when the dialect has no MTP
     mtp_reason: str  # why MTP is unsupported (empty when supported)
-    target_modules_style: str  # "regex": a PEFT fullmatch regex; "leaves": the list of leaf names (vLLM/SGLang)
+    target_modules_style: str  # "regex": a PEFT fullmatch regex; "leaves": the consumer module names (vLLM/SGLang)
 
     def leaf(self, row: TargetRow) -> str:
         return getattr(row, self.leaf_column)
@@ -64,11 +53,21 @@ class Dialect:
             return self.mtp_module.format(leaf=self.leaf(row))
         return self.layer_module.format(layer=layer, leaf=self.leaf(row))
 
-    def target_modules(self, modules: list[str]) -> str | list[str]:
+    def parse_module(self, path: str, table: TargetTable = TARGET_TABLE) -> tuple[int | None, TargetRow] | None:
+        """Inverse of :meth:`module_name`: ``(layer, row)`` (``layer=None``: MTP), or None if not a target here."""
+        for template in (self.layer_module, self.mtp_module):
+            m = _template_regex(template).fullmatch(path) if template else None
+            row = table.by_column(self.leaf_column).get(m["leaf"]) if m else None
+            if row is not None:
+                return (int(m["layer"]) if template == self.layer_module else None), row
+        return None
+
+    def target_modules(self, modules: list[str], table: TargetTable = TARGET_TABLE) -> str | list[str]:
         """``adapter_config.json`` ``target_modules`` that selects exactly ``modules`` (relative module paths)."""
         if self.target_modules_style == "leaves":
-            rows = {m.rsplit(".", 1)[1] for m in modules}
-            return [self.leaf(r) for r in TARGETS if self.leaf(r) in rows]
+            hits = [self.parse_module(m, table) for m in modules]
+            present = {hit[1].native for hit in hits if hit is not None}
+            return [row.consumer for row in table.rows if row.native in present]
         # PEFT: a str target_modules is re.fullmatch'ed against every module path of the base model; an exact
         # alternation of the exported paths can therefore never also wrap compressor.kv_proj or indexer.q_b_proj.
         by_layer: dict[str, set[str]] = {}
@@ -84,6 +83,17 @@ class Dialect:
             leaf_alt = "|".join(sorted(re.escape(leaf) for leaf in leaves))
             alternatives.append(f"(?:{parent_alt})\\.(?:{leaf_alt})")
         return "^(?:" + "|".join(alternatives) + ")$"
+
+
+@cache
+def _template_regex(template: str) -> re.Pattern[str]:
+    """A module-path template (``{layer}``, ``{leaf}`` fields) as an anchored regex with named groups."""
+    groups = {"layer": "(?P<layer>[0-9]+)", "leaf": "(?P<leaf>.+)"}
+    return re.compile(
+        "".join(
+            re.escape(text) + (groups[name] if name else "") for text, name, _, _ in string.Formatter().parse(template)
+        )
+    )
 
 
 DIALECTS: dict[str, Dialect] = {
@@ -113,10 +123,21 @@ DIALECTS: dict[str, Dialect] = {
     ),
 }
 
-_NATIVE_RE = re.compile(
-    r"^(?:decoder\.layers\.(?P<layer>[0-9]+)|(?P<mtp>mtp\.layers\.0\.mtp_model_layer))"
-    r"\.self_attention\.(?P<leaf>[A-Za-z0-9_]+)\.adapter\.(?P<half>linear_in|linear_out)\.weight$"
+_NATIVE_PREFIX = (
+    r"^(?:decoder\.layers\.(?P<layer>[0-9]+)|(?P<mtp>mtp\.layers\.0\.mtp_model_layer))\."
+    + re.escape(ATTENTION_SCOPE)
+    + r"\."
 )
+_NATIVE_SUFFIX = r"\.adapter\.(?P<half>linear_in|linear_out)\.weight$"
+#: any attention LoRA parameter name, exportable or not (to name the target in the error)
+_ANY_NATIVE = re.compile(_NATIVE_PREFIX + r"(?P<leaf>[A-Za-z0-9_.]+?)" + _NATIVE_SUFFIX)
+
+
+@cache
+def native_adapter_regex(table: TargetTable = TARGET_TABLE) -> re.Pattern[str]:
+    """The Megatron-Bridge LoRA parameter names of the table's exportable (main-attention) targets."""
+    leaves = sorted((row.native for row in table.main), key=len, reverse=True)
+    return re.compile(_NATIVE_PREFIX + "(?P<leaf>" + "|".join(map(re.escape, leaves)) + ")" + _NATIVE_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -131,23 +152,62 @@ class NativeAdapterName:
         return (1 if self.layer is None else 0, -1 if self.layer is None else self.layer, self.row.native)
 
 
-def parse_native(name: str) -> NativeAdapterName:
+def match_native(name: str, table: TargetTable = TARGET_TABLE) -> NativeAdapterName | None:
+    """A native V4 attention LoRA parameter name of an exportable target, parsed; None for any other name."""
+    m = native_adapter_regex(table).match(name)
+    if m is None or not table.main:
+        return None
+    row = table.by_column("native")[m["leaf"]]
+    return NativeAdapterName(None if m["mtp"] else int(m["layer"]), row, "A" if m["half"] == "linear_in" else "B")
+
+
+def parse_native(name: str, table: TargetTable = TARGET_TABLE) -> NativeAdapterName:
     """Parse a Megatron-Bridge LoRA parameter name of the native V4 graph (raises ExportError naming it)."""
-    m = _NATIVE_RE.match(name)
-    if m is None:
+    parsed = match_native(name, table)
+    if parsed is not None:
+        return parsed
+    exportable = [row.native for row in table.main]
+    loose = _ANY_NATIVE.match(name)
+    if loose is None:
         raise ExportError(
-            f"adapter tensor {name!r} is not a native V4 attention LoRA parameter "
-            "(expected decoder.layers.N.self_attention.<wq_a|wq_b|wkv|wo_a|wo_b>.adapter.linear_{in,out}.weight); "
-            "only the five main-attention targets are exportable"
+            f"adapter tensor {name!r} is not a native V4 attention LoRA parameter (expected "
+            f"decoder.layers.N.{ATTENTION_SCOPE}.<{'|'.join(exportable)}>.adapter.linear_{{in,out}}.weight); "
+            "only the main-attention targets are exportable"
         )
-    row = TARGET_BY_NATIVE.get(m["leaf"])
-    if row is None:
-        raise ExportError(
-            f"adapter tensor {name!r} targets {m['leaf']!r}, which is not one of the exportable V4 attention "
-            f"targets {[r.native for r in TARGETS]}"
-        )
-    layer = None if m["mtp"] else int(m["layer"])
-    return NativeAdapterName(layer, row, "A" if m["half"] == "linear_in" else "B")
+    raise ExportError(
+        f"adapter tensor {name!r} targets {loose['leaf']!r}, which is not one of the exportable V4 attention "
+        f"targets {exportable}"
+    )
+
+
+@dataclass(frozen=True)
+class ModuleRef:
+    """A PEFT module path read back: which dialect wrote it, the layer (None: MTP) and the target."""
+
+    dialect: str
+    layer: int | None
+    row: TargetRow
+
+    @property
+    def official_weight(self) -> str:
+        return official_base_name(self.layer, self.row)
+
+
+def resolve_module(path: str, table: TargetTable = TARGET_TABLE) -> ModuleRef | None:
+    """The target a module path (relative to the base model, any dialect) names; None if it names none."""
+    for dialect in DIALECTS.values():
+        hit = dialect.parse_module(path, table)
+        if hit is not None:
+            return ModuleRef(dialect.name, *hit)
+    return None
+
+
+def translate_module(path: str, dialect: str, table: TargetTable = TARGET_TABLE) -> str | None:
+    """``path`` (any dialect) written in ``dialect``; None if it names no target or ``dialect`` cannot name it."""
+    ref = resolve_module(path, table)
+    if ref is None or (ref.layer is None and DIALECTS[dialect].mtp_module is None):
+        return None
+    return DIALECTS[dialect].module_name(ref.layer, ref.row)
 
 
 def official_base_name(layer: int | None, row: TargetRow) -> str:

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from impl.adapter.dialects import DIALECTS, TARGETS
+from impl.adapter.dialects import DIALECTS
 from impl.errors import Dsv4Error
+from impl.lora.vocabulary import TARGET_TABLE
 
 FINGERPRINT_VERSION = 1
 METADATA_KEY = "dsv4_base_fingerprint"
@@ -56,7 +57,7 @@ def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
 def _transformers_alias(official: str) -> str | None:
     """The transformers state-dict name of an official attention weight name (None when not a target)."""
     off, tf = DIALECTS["official"], DIALECTS["transformers"]
-    for row in TARGETS:
+    for row in TARGET_TABLE.main:
         for suffix in (".weight",):
             parts = official.split(".")
             if len(parts) == 5 and parts[0] == "layers" and parts[2] == "attn" and parts[3] == off.leaf(row):

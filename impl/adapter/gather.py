@@ -23,7 +23,6 @@ import impl.compat.active  # noqa: F401  (the CPU compat layer must precede ever
 
 # isort: split
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,13 +31,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
-from impl.adapter.dialects import TARGETS
+from impl.adapter.dialects import match_native
 from impl.adapter.export import AdapterState
 from impl.errors import ExportError
+from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
 __all__ = ["AdapterGatherError", "gather_adapter_state", "native_adapter_name"]
-
-_PLAIN = re.compile(r"^decoder\.layers\.([0-9]+)\.self_attention\.([A-Za-z0-9_]+)\.adapter\.linear_(?:in|out)\.weight$")
 
 
 class AdapterGatherError(ExportError):
@@ -117,18 +115,17 @@ def _stage_merge(local: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]
     return stages
 
 
-def _declared(names: Sequence[str]) -> tuple[list[str], dict[str, set[int]], bool]:
-    """Exportable leaves present, the layers of each, and whether every name is a plain decoder-attention one."""
+def _declared(names: Sequence[str], table: TargetTable = TARGET_TABLE) -> tuple[list[str], dict[str, set[int]], bool]:
+    """Exportable targets present, the layers of each, and whether every name is a plain decoder-attention one."""
     leaves: dict[str, set[int]] = {}
-    exportable = {row.native for row in TARGETS}
     plain = bool(names)
     for n in names:
-        m = _PLAIN.match(n)
-        if m is None or m[2] not in exportable:
+        parsed = match_native(n, table)
+        if parsed is None or parsed.layer is None:
             plain = False
             continue
-        leaves.setdefault(m[2], set()).add(int(m[1]))
-    order = [row.native for row in TARGETS if row.native in leaves]
+        leaves.setdefault(parsed.row.native, set()).add(parsed.layer)
+    order = [row.native for row in table.main if row.native in leaves]
     return order, leaves, plain
 
 
@@ -141,8 +138,8 @@ def gather_adapter_state(
     (``writer_rank=None``: on every rank).
     ``handle_or_lora`` is the :class:`impl.lora.wrappers.LoraHandle` (or its ``DeepseekV4LoRA``) that built the adapters;
     ``r``/``alpha``/``dropout`` come from it. No adapters at all -> a state with no tensors (the exporter refuses
-    it with :class:`impl.adapter.export.EmptyAdapterError`). ``targets``/``num_layers`` are filled only for the five
-    exportable attention leaves, and ``num_layers`` only when every such leaf is present in every layer, so the
+    it with :class:`impl.adapter.export.EmptyAdapterError`). ``targets``/``num_layers`` are filled only when every
+    adapter is a decoder layer's exportable (main-attention) target, and ``num_layers`` only when every such leaf is present in every layer, so the
     exporter's coverage check applies without rejecting a deliberately layer-restricted adapter.
     """
     lora, _ = _lora_hparams(handle_or_lora)

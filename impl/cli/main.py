@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from impl.lora.vocabulary import TARGET_TABLE, TargetTable
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -114,7 +116,8 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
+    """The ``dsv4-lora`` argument parser; ``qualify --targets`` defaults to ``table``'s main-attention targets."""
     parser = argparse.ArgumentParser(
         prog="dsv4-lora",
         description="Prove a DeepSeek-V4 LoRA setup end to end (Megatron-Core native graph, Megatron-Bridge "
@@ -130,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--base", help="official-layout checkpoint directory (default: write a tiny base into --out)")
     q.add_argument("--preset", default="tiny-mixed", help="tiny preset for the default base (default: tiny-mixed)")
-    q.add_argument("--targets", default="wq_a,wq_b,wkv,wo_a,wo_b", help="comma-separated LoRA targets")
+    q.add_argument("--targets", default=",".join(table.main_names), help="comma-separated LoRA targets")
     q.add_argument("--rank", type=int, default=8, help="LoRA rank r (default 8)")
     q.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
     q.add_argument("--tp", type=int, default=1, help="tensor parallel size")

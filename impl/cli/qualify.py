@@ -24,8 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from impl.lora.vocabulary import TARGET_TABLE, TargetRow
+
 TOLERANCE = 1e-5
-DEFAULT_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+DEFAULT_TARGETS = TARGET_TABLE.main_names
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,9 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     from transformers import AutoConfig
 
     import impl
-    from impl.adapter.dialects import TARGET_BY_NATIVE, official_base_name
+    from impl.adapter.dialects import official_base_name
     from impl.adapter.gather import gather_adapter_state
+    from impl.native.config import V4Config
     from impl.native.schedule import ManualPipeline
 
     checks: list[Check] = []
@@ -142,9 +145,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
         declared=dict(report.declared_not_loaded),
     )
 
-    from tiny_models.presets import min_seq_len
-
-    seq = opts.seq_len or min_seq_len(hf_config)
+    seq = opts.seq_len or V4Config.from_hf(hf_config).min_seq_len
     gen = torch.Generator().manual_seed(opts.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     eval_ids = torch.randint(0, hf_config.vocab_size, (opts.batch, seq), generator=gen).to(device)
@@ -208,7 +209,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     t0 = time.perf_counter()
     out = Path(opts.out) / "adapter"
     layers = range(hf_config.num_hidden_layers)
-    fp_names = [official_base_name(n, TARGET_BY_NATIVE[t]) for n in layers for t in _native_leaves(opts.targets)]
+    fp_names = [official_base_name(n, row) for n in layers for row in _exported_rows(opts.targets)]
     fingerprint = impl.base_fingerprint(base, fp_names)
     state = gather_adapter_state(chunks, handle)
     impl.export_adapter(
@@ -262,13 +263,10 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     return {"rank": rank, "checks": [asdict(c) for c in checks]}
 
 
-def _native_leaves(targets) -> list[str]:
-    from impl.adapter.dialects import TARGETS
-
-    by_any = {}
-    for row in TARGETS:
-        by_any[row.native] = by_any[row.official] = by_any[row.transformers] = row.native
-    return [by_any[t] for t in targets if t in by_any]
+def _exported_rows(targets) -> list[TargetRow]:
+    """The table rows of the exportable (main-attention) targets among ``targets`` (any accepted name), once each."""
+    rows = (TARGET_TABLE.row(t) for t in targets)
+    return list(dict.fromkeys(row for row in rows if row is not None and row.main))
 
 
 def versions() -> dict[str, str]:

@@ -19,22 +19,25 @@ from typing import Any
 from impl.conversion.hardware import FusedKernelDefaults, fused_kernel_defaults
 from impl.conversion.pipeline import Layout, generate_pipeline_layout, validate_pipeline_layout
 from impl.errors import UnsupportedConfigError
+from impl.lora.vocabulary import TARGET_TABLE
 
 __all__ = [
     "CHECKPOINT_ENV",
     "FLASH_SHAPE",
+    "TINY_MODELS",
     "DeepseekV4LoRARecipe",
     "ModelShape",
     "OptimizerSettings",
+    "TinyModel",
     "deepseek_v4_flash_lora_recipe",
     "tiny_variant",
     "to_qualify_args",
 ]
 
 CHECKPOINT_ENV = "DSV4_FLASH_CHECKPOINT"
-#: The five attention projections (native names). ``wo_a`` is the grouped output projection: it gets the
-#: block-diagonal grouped LoRA of impl.lora.wrappers, which plain PEFT-on-transformers recipes must skip.
-ATTENTION_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+#: The main attention projections of the target table. The grouped one (``wo_a``) gets the block-diagonal
+#: grouped LoRA of impl.lora.wrappers, which plain PEFT-on-transformers recipes must skip.
+ATTENTION_TARGETS = TARGET_TABLE.main_names
 
 
 @dataclass(frozen=True)
@@ -50,30 +53,6 @@ class ModelShape:
     o_groups: int
     vocab_size: int
 
-    @classmethod
-    def from_hf(cls, hf_config: Any, name: str = "") -> ModelShape:
-        return cls(
-            name=name or getattr(hf_config, "name_or_path", "") or "deepseek_v4",
-            num_layers=hf_config.num_hidden_layers,
-            num_hash_layers=_hash_prefix(hf_config),
-            mtp_layers=getattr(hf_config, "num_nextn_predict_layers", 0) or 0,
-            num_experts=hf_config.n_routed_experts,
-            num_heads=hf_config.num_attention_heads,
-            o_groups=hf_config.o_groups,
-            vocab_size=hf_config.vocab_size,
-        )
-
-
-def _hash_prefix(hf_config: Any) -> int:
-    # transformers folds num_hash_layers into mlp_layer_types (a "hash_moe" prefix)
-    types = getattr(hf_config, "mlp_layer_types", None)
-    if types is None:
-        return getattr(hf_config, "num_hash_layers", 0) or 0
-    count = 0
-    while count < len(types) and types[count] == "hash_moe":
-        count += 1
-    return count
-
 
 #: DeepSeek-V4-Flash, from the published config.json (v4_architecture.md §2.1).
 FLASH_SHAPE = ModelShape(
@@ -86,6 +65,36 @@ FLASH_SHAPE = ModelShape(
     o_groups=8,
     vocab_size=129280,
 )
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny preset as the recipe sees it: its layout facts and its shortest full-coverage sequence.
+
+    Stated here rather than read from the suite's presets, so the recipe never reads the oracle; the CLI writes
+    the preset's base under the same name.
+    """
+
+    shape: ModelShape
+    seq_length: int  # twice the sliding window, >= 2 entries per compressed layer, top-k really choosing
+
+
+#: The tiny presets a tiny variant may run on.
+TINY_MODELS: dict[str, TinyModel] = {
+    "tiny-tp": TinyModel(
+        ModelShape(
+            name="tiny-tp",
+            num_layers=4,
+            num_hash_layers=1,
+            mtp_layers=1,
+            num_experts=8,
+            num_heads=8,
+            o_groups=4,
+            vocab_size=128,
+        ),
+        seq_length=24,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -260,11 +269,11 @@ def tiny_variant(
     hash layers on stage 0, MTP + loss last) and the hardware gate (re-evaluated here). Changed: the model,
     node/GPU counts, batch (DP x 1 micro-batch x 2) and sequence length (the preset's shortest full-coverage one).
     """
-    from tiny_models.presets import get_preset, min_seq_len
-
+    if preset not in TINY_MODELS:
+        raise UnsupportedConfigError(f"no tiny model {preset!r}; the tiny variant runs on one of {sorted(TINY_MODELS)}")
     base = recipe or deepseek_v4_flash_lora_recipe()
-    hf_config = get_preset(preset)
-    model = ModelShape.from_hf(hf_config, name=preset)
+    tiny = TINY_MODELS[preset]
+    model = tiny.shape
     world = tp * pp * ep
     dp = world // (tp * pp)
     return replace(
@@ -280,7 +289,7 @@ def tiny_variant(
         fused=fused_kernel_defaults(),
         micro_batch_size=1,
         global_batch_size=2 * dp,
-        seq_length=min_seq_len(hf_config),
+        seq_length=tiny.seq_length,
         checkpoint=None,
         preset=preset,
     )

@@ -8,13 +8,16 @@ Pro base); the adapter's own tensors are small and are read in full. Each proble
 | ``files`` | ``adapter_config.json`` / ``adapter_model.safetensors`` missing, or pickle weights present |
 | ``marker`` | ``.complete`` missing, or it certifies other bytes than the files present (stale) |
 | ``config`` | not LoRA, ``r`` / ``lora_alpha`` missing or inconsistent with the tensors |
-| ``names`` | a tensor does not resolve to a base module, or wraps something other than the five main attention projections |
-| ``selection`` | ``target_modules`` would wrap modules other than the adapter's (e.g. the indexer's ``q_b_proj``) |
+| ``names`` | a tensor does not resolve to a base module, or wraps something other than a main attention projection |
+| ``selection`` | ``target_modules`` would wrap attention targets other than the adapter's (e.g. the indexer's ``q_b_proj``) |
 | ``halves`` | a module has only ``lora_A`` or only ``lora_B`` |
 | ``shapes`` | ``lora_A [r, in]`` / ``lora_B [out, r]`` disagree with the base weight ``[out, in]`` |
 | ``finite`` | NaN or Inf in a tensor |
 | ``fingerprint`` | the adapter was trained against another base (or records none) |
 | ``forward`` (opt-in) | PEFT's merged model differs from the base with ``W + s*B@A`` applied by hand |
+
+Names are translated through the target table (:mod:`impl.lora.vocabulary`) and the naming dialects
+(:mod:`impl.adapter.dialects`): the candidate modules of ``selection`` are the table's attention targets.
 """
 
 from __future__ import annotations
@@ -26,10 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from impl.adapter.dialects import PEFT_PREFIX, TARGETS
-
-MAIN_OFFICIAL = {row.official for row in TARGETS}
-_TF_MAIN = {row.transformers: row.official for row in TARGETS}
+from impl.adapter.dialects import DIALECTS, PEFT_PREFIX, resolve_module
+from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
 
 @dataclass
@@ -69,29 +70,21 @@ def _base_headers(base: Path) -> dict[str, tuple[list[int], str]]:
     return out
 
 
-def _official_base_of(module: str) -> str | None:
+def _official_base_of(module: str, table: TargetTable = TARGET_TABLE) -> str | None:
     """The official base weight a PEFT module path (any of the three dialects) adapts, or None."""
-    m = re.fullmatch(r"model\.layers\.([0-9]+)\.self_attn\.(.+)", module)
-    if m:
-        layer, rest = m.groups()
-        if rest in _TF_MAIN:  # transformers dialect, main attention
-            return f"layers.{layer}.attn.{_TF_MAIN[rest]}.weight"
-        if rest in MAIN_OFFICIAL or rest.startswith(("indexer.", "compressor.")):  # sglang dialect
-            return f"layers.{layer}.attn.{rest}.weight"
-        from tiny_models.checkpoint import transformers_to_official_name
-
-        try:
-            return transformers_to_official_name(f"{module}.weight")
-        except Exception:
-            return None
-    if re.fullmatch(r"(layers\.[0-9]+|mtp\.[0-9]+)\.attn\..+", module):  # official dialect
-        return f"{module}.weight"
-    return None
+    ref = resolve_module(module, table)
+    return None if ref is None else ref.official_weight
 
 
-def _is_main_attention(official: str) -> bool:
-    m = re.fullmatch(r"(?:layers\.[0-9]+|mtp\.[0-9]+)\.attn\.([a-z_0-9]+)\.weight", official)
-    return bool(m) and m.group(1) in MAIN_OFFICIAL
+def _is_main_attention(official: str, table: TargetTable = TARGET_TABLE) -> bool:
+    ref = resolve_module(official.removesuffix(".weight"), table)
+    return ref is not None and ref.dialect == "official" and ref.row.main
+
+
+def _detect_dialect(modules, table: TargetTable = TARGET_TABLE) -> str:
+    """The dialect the adapter's module paths are written in (official, else sglang, else transformers)."""
+    found = {ref.dialect for ref in (resolve_module(m, table) for m in modules) if ref is not None}
+    return next((d for d in ("official", "sglang") if d in found), "transformers")
 
 
 def _selected(target_modules: Any, base_modules: dict[str, str]) -> set[str]:
@@ -103,25 +96,15 @@ def _selected(target_modules: Any, base_modules: dict[str, str]) -> set[str]:
     return {m for m in base_modules if m.rsplit(".", 1)[-1] in leaves}
 
 
-def _dialect_paths(headers: dict[str, Any], dialect: str) -> dict[str, str]:
-    """Dialect module path -> official weight name, for every 2-D base weight a LoRA could wrap."""
-    from tiny_models.checkpoint import official_to_transformers_name
-
+def _dialect_paths(headers: dict[str, Any], dialect: str, table: TargetTable = TARGET_TABLE) -> dict[str, str]:
+    """Dialect module path -> official weight name, for every 2-D base weight of a table target."""
     out = {}
     for name, (shape, _) in headers.items():
-        if not name.endswith(".weight") or len(shape) != 2 or ".experts." in name or name.startswith("mtp."):
+        if not name.endswith(".weight") or len(shape) != 2 or name.startswith("mtp."):
             continue
-        if dialect == "official":
-            out[name[: -len(".weight")]] = name
-        elif dialect == "sglang":
-            m = re.fullmatch(r"layers\.([0-9]+)\.attn\.(.+)\.weight", name)
-            if m:
-                out[f"model.layers.{m.group(1)}.self_attn.{m.group(2)}"] = name
-        else:
-            try:
-                out[official_to_transformers_name(name)[: -len(".weight")]] = name
-            except Exception:
-                continue
+        hit = DIALECTS["official"].parse_module(name.removesuffix(".weight"), table)
+        if hit is not None:
+            out[DIALECTS[dialect].module_name(*hit)] = name
     return out
 
 
@@ -188,13 +171,7 @@ def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = Fal
             finite_problems.append(f"{key}: holds NaN/Inf")
     halves_problems = [f"{m}: only {sorted(h)} present" for m, h in modules.items() if set(h) != {"lora_A", "lora_B"}]
 
-    dialect = meta.get("dsv4_dialect") or (
-        "official"
-        if any(re.match(r"(layers|mtp)\.[0-9]+\.attn\.", m) for m in modules)
-        else "sglang"
-        if any(re.search(r"self_attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer)", m) for m in modules)
-        else "transformers"
-    )
+    dialect = meta.get("dsv4_dialect") or _detect_dialect(modules)
     for module, halves in modules.items():
         official = _official_base_of(module)
         if official is None or official not in headers:
@@ -202,7 +179,7 @@ def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = Fal
             continue
         if not _is_main_attention(official):
             name_problems.append(
-                f"{module}: wraps {official}, not one of the main attention projections {sorted(MAIN_OFFICIAL)} "
+                f"{module}: wraps {official}, not one of the main attention projections {list(TARGET_TABLE.main_names)} "
                 "(indexer/compressor adapters are not portable)"
             )
         out_dim, in_dim = headers[official][0]
@@ -254,6 +231,20 @@ def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = Fal
     return res
 
 
+def _load_transformers(base: Path):
+    """transformers' ``DeepseekV4ForCausalLM`` of ``base`` in fp32, and the load problems (MTP is not modelled)."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    model, info = DeepseekV4ForCausalLM.from_pretrained(str(base), dtype=torch.float32, output_loading_info=True)
+    problems = [
+        f"forward: transformers could not load {base} cleanly ({kind}: {', '.join(map(str, keys[:5]))})"
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+        if (keys := [k for k in info.get(kind, ()) if not str(k).startswith("mtp.")])
+    ]
+    return model.eval(), problems
+
+
 def _forward_check(base: Path, adapter: Path, modules, r, alpha, res: VerifyResult) -> VerifyCheck:
     """PEFT merged and unmerged (grouped o_a_proj layer) vs the base with ``W + (alpha/r)·B@A`` applied by hand
     (transformers dialect only)."""
@@ -261,21 +252,25 @@ def _forward_check(base: Path, adapter: Path, modules, r, alpha, res: VerifyResu
     from transformers import AutoConfig
 
     from impl.lora.peft_loader import load_peft_adapter
-    from tiny_models.checkpoint import load_oracle
-    from tiny_models.presets import min_seq_len
+    from impl.native.config import V4Config
 
-    if not modules or not all(re.fullmatch(r"model\.layers\.[0-9]+\.self_attn\.[a-z_]+", m) for m in modules):
+    refs = [resolve_module(m) for m in modules]
+    if not modules or not all(ref is not None and ref.dialect == "transformers" for ref in refs):
         return VerifyCheck("forward", None, "only for transformers-dialect adapters")
     cfg = AutoConfig.from_pretrained(base)
-    ids = torch.randint(0, cfg.vocab_size, (1, min_seq_len(cfg)), generator=torch.Generator().manual_seed(0))
-    manual = load_oracle(base)
+    seq = V4Config.from_hf(cfg).min_seq_len
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    manual, problems = _load_transformers(base)
+    if problems:
+        res.problems += problems
+        return VerifyCheck("forward", False, "base does not load in transformers")
     with torch.no_grad():
         for module, h in modules.items():
             weight = manual.get_submodule(module).weight
             weight += (alpha / r) * (h["lora_B"].float() @ h["lora_A"].float()).to(weight.dtype)
         want = manual(ids).logits
-        merged = load_peft_adapter(load_oracle(base), adapter, merge=True)(ids).logits
-        unmerged = load_peft_adapter(load_oracle(base), adapter).eval()(ids).logits
+        merged = load_peft_adapter(_load_transformers(base)[0], adapter, merge=True)(ids).logits
+        unmerged = load_peft_adapter(_load_transformers(base)[0], adapter).eval()(ids).logits
     diffs = {"merged": (merged - want).abs().max().item(), "unmerged": (unmerged - want).abs().max().item()}
     for mode, diff in diffs.items():
         if diff > 1e-5:

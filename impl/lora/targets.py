@@ -1,11 +1,12 @@
 """LoRA target qualification for the native DeepSeek-V4 graph.
 
 The native attention owns a main ``wq_b`` and ``wkv`` *and* nested modules whose leaves collide with them
-(``indexer.linear_wq_b``; ``compressor.wkv`` and ``indexer.compressor.wkv``). Megatron-Bridge's
-``ModuleMatcher`` accepts a module when its leaf ``name == pattern`` or when the anchored wildcard
-``pattern`` matches its full dotted name, so a bare ``wkv`` would also wrap both compressors. Every name
-in :data:`TARGET_VOCABULARY` is therefore rewritten to ``*.self_attention.<native path>``, which reaches
-exactly one module per attention block; the nested modules are reached only when named explicitly.
+(``indexer.linear_wq_b``; ``compressor.wkv`` and ``indexer.compressor.wkv``: a row's ``also_nested_as`` in
+:mod:`impl.lora.vocabulary`). Megatron-Bridge's ``ModuleMatcher`` accepts a module when its leaf
+``name == pattern`` or when the anchored wildcard ``pattern`` matches its full dotted name, so a bare ``wkv``
+would also wrap both compressors. Every accepted name of the target table is therefore rewritten to
+``*.self_attention.<native path>``, which reaches exactly one module per attention block; the nested modules
+are reached only when named explicitly.
 """
 
 from __future__ import annotations
@@ -14,44 +15,23 @@ import re
 from collections.abc import Iterable, Sequence
 
 from impl.errors import TargetError
+from impl.lora.vocabulary import ATTENTION_SCOPE, TARGET_TABLE, TargetTable
 
 __all__ = [
     "MAIN_ATTENTION_TARGETS",
     "NESTED_ATTENTION_TARGETS",
     "TARGET_VOCABULARY",
     "bridge_pattern_matches",
-    "matched_modules",
     "qualify_exclusions",
     "qualify_targets",
 ]
 
-ATTENTION_SCOPE = "self_attention"
-
-# One row per LoRA-able attention module: native path under ``self_attention`` -> every accepted name.
-# Official checkpoint names first, then the transformers (``DeepseekV4ForCausalLM``) names, then native ones.
-_TABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("wq_a", ("wq_a", "q_a_proj")),
-    ("wq_b", ("wq_b", "q_b_proj")),
-    ("wkv", ("wkv", "kv_proj")),
-    ("wo_a", ("wo_a", "o_a_proj")),
-    ("wo_b", ("wo_b", "o_b_proj")),
-    ("indexer.linear_wq_b", ("indexer.wq_b", "compressor.indexer.q_b_proj", "indexer.linear_wq_b")),
-    (
-        "indexer.linear_weights_proj",
-        ("indexer.weights_proj", "compressor.indexer.scorer.weights_proj", "indexer.linear_weights_proj"),
-    ),
-    ("compressor.wkv", ("compressor.wkv", "compressor.kv_proj")),
-    ("compressor.wgate", ("compressor.wgate", "compressor.gate_proj")),
-    ("indexer.compressor.wkv", ("indexer.compressor.wkv", "compressor.indexer.kv_proj")),
-    ("indexer.compressor.wgate", ("indexer.compressor.wgate", "compressor.indexer.gate_proj")),
-)
-
-#: accepted name -> native path under ``self_attention`` (the single vocabulary table).
-TARGET_VOCABULARY: dict[str, str] = {alias: native for native, aliases in _TABLE for alias in aliases}
-#: the five main-attention projections (official names); bare names always mean these.
-MAIN_ATTENTION_TARGETS: tuple[str, ...] = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+#: accepted name -> native path under ``self_attention`` (views of :data:`impl.lora.vocabulary.TARGET_TABLE`).
+TARGET_VOCABULARY: dict[str, str] = TARGET_TABLE.vocabulary
+#: the main-attention projections (official names); bare names always mean these.
+MAIN_ATTENTION_TARGETS: tuple[str, ...] = TARGET_TABLE.main_names
 #: native paths of the nested (indexer / compressor) modules, reachable only by a qualified name.
-NESTED_ATTENTION_TARGETS: tuple[str, ...] = tuple(native for native, _ in _TABLE if "." in native)
+NESTED_ATTENTION_TARGETS: tuple[str, ...] = tuple(row.native for row in TARGET_TABLE.nested)
 
 
 def _qualified(native: str) -> str:
@@ -70,23 +50,17 @@ def bridge_pattern_matches(pattern: str, full_name: str) -> bool:
     return re.match("^" + pattern.replace("*", "(.*)") + "$", full_name) is not None
 
 
-def matched_modules(patterns: Iterable[str], module_names: Iterable[str]) -> list[str]:
-    """Module names (in the given order) that at least one pattern matches under Bridge's rule."""
-    patterns = list(patterns)
-    return [name for name in module_names if any(bridge_pattern_matches(p, name) for p in patterns)]
-
-
-def _valid_names(module_names: Sequence[str]) -> list[str]:
+def _valid_names(module_names: Sequence[str], table: TargetTable) -> list[str]:
     """Vocabulary names whose qualified pattern reaches at least one module in this model."""
     return [
-        alias
-        for native, aliases in _TABLE
-        if any(bridge_pattern_matches(_qualified(native), n) for n in module_names)
-        for alias in aliases
+        name
+        for row in table.rows
+        if any(bridge_pattern_matches(_qualified(row.native), n) for n in module_names)
+        for name in row.names
     ]
 
 
-def _qualify(entries, module_names: Iterable[str] | None, *, kind: str):
+def _qualify(entries, module_names: Iterable[str] | None, table: TargetTable, *, kind: str):
     if not entries:
         return entries
     single = isinstance(entries, str)
@@ -98,7 +72,8 @@ def _qualify(entries, module_names: Iterable[str] | None, *, kind: str):
             raise TargetError(
                 f"LoRA {kind} {entry!r} contains a comma; pass a list of names instead of one comma-joined string"
             )
-    out = [_qualified(TARGET_VOCABULARY[e]) if e in TARGET_VOCABULARY else e for e in raw]
+    vocabulary = table.vocabulary
+    out = [_qualified(vocabulary[e]) if e in vocabulary else e for e in raw]
     if module_names is not None:
         names = list(module_names)
         unmatched = [
@@ -106,26 +81,27 @@ def _qualify(entries, module_names: Iterable[str] | None, *, kind: str):
         ]
         if unmatched:
             listed = ", ".join(f"{e!r}" + (f" (as {q!r})" if q != e else "") for e, q in unmatched)
+            example = table.main[0].native if table.main else "<leaf>"
             raise TargetError(
                 f"LoRA {kind}(s) {listed} match no module of this model. "
-                f"Valid names here: {', '.join(_valid_names(names))}; or pass an anchored wildcard over full "
-                f"module names such as '*.layers.0.{ATTENTION_SCOPE}.wq_b'. Fix the {kind} list and retry."
+                f"Valid names here: {', '.join(_valid_names(names, table))}; or pass an anchored wildcard over full "
+                f"module names such as '*.layers.0.{ATTENTION_SCOPE}.{example}'. Fix the {kind} list and retry."
             )
     return out[0] if single else out
 
 
-def qualify_targets(targets, *, module_names: Iterable[str] | None = None):
+def qualify_targets(targets, *, module_names: Iterable[str] | None = None, table: TargetTable = TARGET_TABLE):
     """Rewrite LoRA targets so each vocabulary name reaches exactly its main-attention (or named nested) module.
 
     ``wq_b``/``q_b_proj`` -> ``*.self_attention.wq_b`` (never the indexer's ``linear_wq_b``); ``indexer.wq_b`` ->
     ``*.self_attention.indexer.linear_wq_b``; anything else (wildcards, dotted paths, other leaves) passes through.
     Order is preserved, the rewrite is idempotent, a ``str`` stays a ``str`` and a falsy value is returned as-is.
     With ``module_names`` every entry must match a module (Bridge's rule), else :class:`TargetError` lists all
-    unmatched entries and the valid names.
+    unmatched entries and the valid names. ``table``: the target vocabulary (default :data:`TARGET_TABLE`).
     """
-    return _qualify(targets, module_names, kind="target")
+    return _qualify(targets, module_names, table, kind="target")
 
 
-def qualify_exclusions(exclude, *, module_names: Iterable[str] | None = None):
+def qualify_exclusions(exclude, *, module_names: Iterable[str] | None = None, table: TargetTable = TARGET_TABLE):
     """:func:`qualify_targets` for ``exclude_modules`` (same vocabulary, same checks)."""
-    return _qualify(exclude, module_names, kind="exclusion")
+    return _qualify(exclude, module_names, table, kind="exclusion")

@@ -36,6 +36,7 @@ from torch import nn
 
 from impl.errors import GroupedLoRAError, MultiLoRAUnsupportedError, TargetError
 from impl.lora.targets import bridge_pattern_matches, qualify_exclusions, qualify_targets
+from impl.lora.vocabulary import TARGET_TABLE
 from impl.native.norm import ReplicatedLinear
 
 __all__ = [
@@ -49,7 +50,8 @@ __all__ = [
     "make_lora_pre_wrap_hook",
 ]
 
-GROUPED_LEAF = "wo_a"
+#: native leaves of the grouped (block-diagonal) targets, from the target table
+GROUPED_LEAVES = frozenset(row.native for row in TARGET_TABLE.main if row.grouped)
 _LORA_ABLE = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear, nn.Linear)
 _ALREADY_ADAPTED = (AdapterWrapper, LinearAdapter, LoRATopKRouter)
 
@@ -92,7 +94,11 @@ def _grouped_name(module: nn.Module, name: str | None) -> str:
     if name:
         return name
     adapter = getattr(module, "adapter", None)
-    return getattr(adapter, "base_linear_name", None) or getattr(module, "dsv4_name", None) or GROUPED_LEAF
+    return (
+        getattr(adapter, "base_linear_name", None)
+        or getattr(module, "dsv4_name", None)
+        or "|".join(sorted(GROUPED_LEAVES))
+    )
 
 
 def apply_grouped_wo_a(
@@ -212,7 +218,7 @@ class DeepseekV4LoRA(LoRA):
             )
             return ReplicatedLoRALinear(module, adapter.to(device=weight.device))
         wrapped = super().transform(module, name, prefix)
-        if isinstance(module, ColumnParallelLinear) and name == GROUPED_LEAF and type(wrapped) is LoRALinear:
+        if isinstance(module, ColumnParallelLinear) and name in GROUPED_LEAVES and type(wrapped) is LoRALinear:
             return GroupedLoRALinear(wrapped.to_wrap, wrapped.adapter)
         return wrapped
 
@@ -290,7 +296,7 @@ def make_lora_pre_wrap_hook(
     raw_targets, raw_exclude = _as_list(targets), _as_list(exclude)
     if not raw_targets:
         raise TargetError(
-            "no LoRA targets given; name them explicitly, e.g. ['wq_a', 'wq_b', 'wkv', 'wo_a', 'wo_b'] "
+            f"no LoRA targets given; name them explicitly, e.g. {list(TARGET_TABLE.main_names)} "
             "(exclusion-only selection is not supported on the native V4 graph)"
         )
     q_targets, q_exclude = qualify_targets(raw_targets), qualify_exclusions(raw_exclude)

@@ -7,11 +7,14 @@ inference ``ModelArgs`` where one exists (``v4_architecture.md`` §2.2).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 LAYER_TYPE_RATIO_KEYS = ("compressed_sparse_attention", "heavily_compressed_attention")
+#: compress ratio of the CSA layers, the only ones that carry a lightning indexer
+INDEXER_RATIO = 4
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,20 @@ class V4Config:
 
     def compress_ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
+
+    @property
+    def min_seq_len(self) -> int:
+        """Shortest sequence on which every layer kind of this model does its real work.
+
+        Twice the sliding window (so the window slides); every compressed layer emits at least two entries;
+        an indexer layer emits ``2 * index_topk + 1`` so its top-k really chooses. Rounded up to a multiple of
+        every compress ratio in use, so each compressor ends on a whole block.
+        """
+        need, step = 2 * self.window_size, 1
+        for ratio in sorted(set(self.compress_ratios) - {0}):
+            entries = 2 * self.index_topk + 1 if ratio == INDEXER_RATIO else 2
+            need, step = max(need, ratio * entries), math.lcm(step, ratio)
+        return -(-need // step) * step
 
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hash_layers

@@ -14,13 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl.native.compressor import Compressor
-from impl.native.config import V4Config
+from impl.native.config import INDEXER_RATIO, V4Config
 from impl.native.norm import ReplicatedLinear
 from impl.native.rope import apply_interleaved_rope, rope_cos_sin
 
-__all__ = ["Indexer"]
-
-INDEXER_RATIO = 4
+__all__ = ["INDEXER_RATIO", "Indexer"]
 
 
 class Indexer(nn.Module):

@@ -1,0 +1,93 @@
+"""The implementation never reads the oracle: no module of the implementation imports ``tiny_models`` or ``fixtures``.
+
+A name table, shape rule or expected value shared by the implementation and the suite's oracle hides every bug in
+it. Allowed, by exact module and imported name: the command line writes its embedded default base and the
+Flash/Pro manifests with ``tiny_models``, and ``qualify`` loads the transformers oracle with it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+ORACLE_PACKAGES = ("tiny_models", "fixtures")
+#: (module file relative to the implementation package, imported module, imported name)
+ALLOWED = {
+    ("cli/main.py", "tiny_models.checkpoint", "write_checkpoint"),
+    ("cli/main.py", "tiny_models.manifest", "manifest"),
+    ("cli/main.py", "tiny_models.presets", "flash_config"),
+    ("cli/main.py", "tiny_models.presets", "get_preset"),
+    ("cli/main.py", "tiny_models.presets", "pro_config"),
+    ("cli/qualify.py", "tiny_models.checkpoint", "load_oracle"),
+}
+_DYNAMIC = {"import_module", "__import__"}
+
+
+def _imports(tree: ast.AST) -> Iterator[tuple[int, str, str | None]]:
+    """(line, module, imported name or None for the whole module) of every absolute import in ``tree``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, None
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                yield node.lineno, node.module, alias.name
+        elif isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            arg = node.args[0] if node.args else None
+            if called in _DYNAMIC and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                yield node.lineno, arg.value, None
+
+
+def oracle_imports(package: Path) -> list[str]:
+    """``file:line: ...`` for every import of an oracle package under ``package`` that is not allow-listed."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        for line, module, name in sorted(
+            _imports(ast.parse(path.read_text(), filename=str(path))), key=lambda hit: hit[0]
+        ):
+            if module.split(".")[0] not in ORACLE_PACKAGES or (rel, module, name) in ALLOWED:
+                continue
+            what = f"import {module}" if name is None else f"from {module} import {name}"
+            found.append(f"{package.name}/{rel}:{line}: {what}")
+    return found
+
+
+def test_the_implementation_imports_no_oracle_outside_the_allow_list(impl):
+    package = Path(impl.module.__file__).parent
+    found = oracle_imports(package)
+    assert not found, "the implementation reads the oracle:\n  " + "\n  ".join(found)
+
+
+def test_every_forbidden_import_form_is_named_with_file_and_line(tmp_path):
+    package = tmp_path / "impl"
+    (package / "cli").mkdir(parents=True)
+    (package / "cli" / "main.py").write_text(
+        "from tiny_models.checkpoint import write_checkpoint\n"  # allowed here
+        "from tiny_models.checkpoint import load_oracle\n"  # allowed only in qualify
+    )
+    (package / "cli" / "verify.py").write_text(
+        "import json\n"
+        "def f():\n"
+        "    from tiny_models.checkpoint import official_to_transformers_name\n"
+        "    import tiny_models.presets\n"
+        "    from fixtures import asserts\n"
+        "    import importlib\n"
+        "    return importlib.import_module('tiny_models.presets')\n"
+    )
+    (package / "recipe.py").write_text("from tiny_models.checkpoint import load_oracle\n")
+    assert oracle_imports(package) == [
+        "impl/cli/main.py:2: from tiny_models.checkpoint import load_oracle",
+        "impl/cli/verify.py:3: from tiny_models.checkpoint import official_to_transformers_name",
+        "impl/cli/verify.py:4: import tiny_models.presets",
+        "impl/cli/verify.py:5: from fixtures import asserts",
+        "impl/cli/verify.py:7: import tiny_models.presets",
+        "impl/recipe.py:1: from tiny_models.checkpoint import load_oracle",
+    ]
