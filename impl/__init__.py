@@ -89,6 +89,8 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.conversion.mapping": (
         "MAPPING_TABLE",
         "MappingRow",
+        "MappingTableError",
+        "check_mapping_table",
         "lookup_native",
         "lookup_official",
     ),

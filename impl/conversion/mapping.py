@@ -72,6 +72,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from impl.errors import Dsv4Error
+
 __all__ = [
     "GROUPS",
     "MAPPING_TABLE",
@@ -80,6 +82,7 @@ __all__ = [
     "MappingTableError",
     "NativeMatch",
     "OfficialMatch",
+    "check_mapping_table",
     "expected_official_names",
     "fill",
     "lookup_native",
@@ -115,7 +118,7 @@ GROUPS = (
 GATED_ROLES = ("gate", "up")
 
 
-class MappingTableError(ValueError):
+class MappingTableError(Dsv4Error, ValueError):
     """The table itself is malformed (duplicate / ambiguous pattern, bad semantics or group)."""
 
 
@@ -349,6 +352,13 @@ def _build_index(table: Iterable[MappingRow]) -> tuple[dict[str, _Entry], dict[s
                 raise MappingTableError(f"duplicate official pattern {name!r}: {official[name].row} and {row}")
             official[name] = _Entry(row, role, (_template(row.native),))
     return official, native
+
+
+def check_mapping_table(table: Iterable[MappingRow]) -> None:
+    """Raise :class:`MappingTableError` unless every official and native name is claimed by at most one row of
+    ``table`` (no duplicate pattern, no literal index segment, ``*`` only as a whole inner segment) and every row's
+    semantics, group and wildcards agree. The module's own table passes this check at import."""
+    _build_index(table)
 
 
 _OFFICIAL_INDEX, _NATIVE_INDEX = _build_index(MAPPING_TABLE)
