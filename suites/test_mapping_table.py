@@ -165,12 +165,12 @@ WQ_A = "decoder.layers.*.self_attention.wq_a.weight"
 OVERLAPS = {
     "a duplicated row": lambda row: (row, "native", "decoder.layers.3.self_attention.wq_a.weight"),
     "a literal official index over a wildcard": lambda row: (
-        replace(row, official="layers.3.attn.wq_a.weight", native="decoder.layers.*.self_attention.wq_a2.weight"),
+        replace(row, official="layers.3.attn.wq_a.weight", native="decoder.layers.3.self_attention.wq_a2.weight"),
         "official",
         "layers.3.attn.wq_a.weight",
     ),
     "a literal native index over a wildcard": lambda row: (
-        replace(row, official="layers.*.attn.wq_a2.weight", native="decoder.layers.3.self_attention.wq_a.weight"),
+        replace(row, official="layers.3.attn.wq_a2.weight", native="decoder.layers.3.self_attention.wq_a.weight"),
         "native",
         "decoder.layers.3.self_attention.wq_a.weight",
     ),
