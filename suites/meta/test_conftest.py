@@ -100,12 +100,9 @@ def _run_generated_suite(tmp_path, xfails: str | None) -> tuple[int, str]:
 
 def _outcomes(output: str) -> dict[str, str]:
     """test name -> PASSED / FAILED / XFAIL / XPASS from pytest's -rA summary."""
-    found = {}
-    for line in output.splitlines():
-        word, _, rest = line.partition(" ")
-        if word in {"PASSED", "FAILED", "XFAIL", "XPASS", "ERROR"} and "::" in rest:
-            found[rest.split("::")[1].split()[0]] = word
-    return found
+    from fixtures.subproc import pytest_outcomes
+
+    return {node.split("::")[1]: word for node, word in pytest_outcomes(output).items()}
 
 
 _XFAILS = """# reason: a recorded gap
