@@ -181,7 +181,7 @@ _NEEDS_MEGATRON = {
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
-__all__ = sorted([*_WHERE, "__version__", "compat_report", "errors", "load_all"])
+__all__ = sorted([*_WHERE, "__version__", "compat_report", "errors"])
 
 
 def compat_report():
@@ -206,9 +206,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-def load_all() -> None:
-    """Import every public module now (used to move import cost out of timed regions)."""
-    for name in _WHERE:
-        __getattr__(name)
