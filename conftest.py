@@ -57,7 +57,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     # Under -n 2 on a 2-core host each worker owns one core; torch's default threading oversubscribes it
-    # (measured 3-4x slower). DSV4_TORCH_THREADS overrides.
+    # (docs/performance.md). DSV4_TORCH_THREADS overrides.
     import torch
 
     torch.set_num_threads(int(os.environ.get("DSV4_TORCH_THREADS", "1")))

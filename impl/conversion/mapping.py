@@ -365,8 +365,8 @@ _OFFICIAL_INDEX, _NATIVE_INDEX = _build_index(MAPPING_TABLE)
 
 
 # Results are plain tuples, unpacked by callers (``official, row, native, role = hit``): a tuple comes from the
-# interpreter's free list, a NamedTuple instance is a heap-type allocation and deallocation (285 vs 91 ns per result
-# here), which was a fifth of a routed-expert lookup.
+# interpreter's free list, a NamedTuple instance is a heap-type allocation and deallocation, a sizeable share of a
+# routed-expert lookup (figures: docs/performance.md).
 OfficialMatch = tuple[str, MappingRow, str, str | None]
 """``(official, row, native, role)``: an official name, its row, the (global-index) native name it loads into, and
 ``"gate"`` / ``"up"`` for gated rows (else None)."""
