@@ -327,7 +327,8 @@ def _effective_shape(name: str, headers: dict[str, _Header]) -> tuple[int, ...]:
     return h.shape
 
 
-_SCALE_DTYPES = ("F8_E8M0", "F32")  # UE8M0 (instruct) or F32 (*-Base) block scales, v4_architecture.md §3.3
+# UE8M0 (instruct) or F32 (*-Base) block scales: docs/reference/v4_architecture.md §3.3
+_SCALE_DTYPES = ("F8_E8M0", "F32")
 _PLAIN_DTYPES = ("F32", "BF16", "F16", "I64", "I32")
 _FP8_BLOCK, _MXFP4_BLOCK = 128, 32
 _QUANT_PREFIXES = ("unscaled ", "bad scale ", "bad quantized weight ", "undequantizable ")
