@@ -5,7 +5,8 @@ Three things Megatron-Bridge 0.6.2 does not do for this graph, and how they are 
 * **Replicated linears** (``wq_a``, ``wkv``, indexer and compressor projections) are plain modules, not TE
   ``TELinear``; ``get_adapter_attributes_from_linear`` raises for them. :class:`DeepseekV4LoRA` gives them the
   adapter Bridge gives a duplicated ``TELinear``: ``ParallelLinearAdapter(base_linear_is_parallel=False)``.
-* **Grouped ``wo_a``** (``docs/reference/v4_architecture.md`` §8.3): the base is a ``ColumnParallelLinear`` used block-diagonally per group.
+* **Grouped ``wo_a``** (``docs/reference/v4_architecture.md`` §8.3): the base is a ``ColumnParallelLinear`` used
+  block-diagonally per group.
   The adapter keeps PEFT's flattened shapes (``A [r, H*D/G]``, ``B [G*R, r]``); :func:`apply_grouped_wo_a`
   adds ``(B@A)_g`` only to group ``g``. Its dense ``forward`` refuses to run (:class:`GroupedLoRALinear`).
 * **Exclusions**: Bridge asserts ``exclude_modules`` is empty whenever ``target_modules`` is set, so
