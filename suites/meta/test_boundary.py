@@ -381,6 +381,7 @@ def selection() -> tuple[str, ...]:
     return tuple(node for case in MUTANTS.values() if not case.marks for node in case.values[1])
 
 
+@pytest.mark.slow
 def test_an_unbroken_copy_of_the_implementation_passes_the_selection(tmp_path, selection):
     """The control: renaming the package breaks nothing, so the failures below come from the mutations."""
     rc, outcomes, out = _run_selection(copy_implementation(tmp_path), selection)
@@ -389,6 +390,7 @@ def test_an_unbroken_copy_of_the_implementation_passes_the_selection(tmp_path, s
         assert any(n.startswith(node) for n in outcomes), f"{node} did not run:\n{out[-3000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mutation", "node_ids"), MUTANTS.values())
 def test_broken_implementation_is_noticed(tmp_path, mutation, node_ids):
     rc, outcomes, out = _run_selection(copy_implementation(tmp_path, mutation=mutation), node_ids)
