@@ -1,8 +1,8 @@
 """Tensor manifests: the official on-disk layout of any V4 config, from the config alone.
 
-Expected Flash figures are independent published numbers (perf_anchors.md §1, v4_architecture.md §3.2):
-69,187 tensors, 1,575 under ``mtp.0.``, index ``total_size`` 159,609,485,896 bytes, the dtype census,
-per-layer counts and the §3.2 shape table.
+Expected Flash figures are independent published numbers (``docs/reference/flash_names.md``,
+``docs/reference/v4_architecture.md`` §3.2): 69,187 tensors, 1,575 under ``mtp.0.``, index ``total_size``
+159,609,485,896 bytes, the dtype census, per-layer counts and the shape table.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``manifest(cfg)`` lists every tensor (name, shape, safetensors dtype) a checkpoint of ``cfg`` holds,
 computed from the config alone (no weights). ``with_scales=True`` gives the quantized instruct layout
-(v4_architecture.md §3.2-3.3): FP8 E4M3 weights with ``[ceil(o/128), ceil(i/128)]`` F8_E8M0 ``.scale``
+(docs/reference/v4_architecture.md §3.2-3.3): FP8 E4M3 weights with ``[ceil(o/128), ceil(i/128)]`` F8_E8M0 ``.scale``
 companions, routed experts MXFP4 (I8 ``[o, i/2]`` + F8_E8M0 ``[o, i/32]``). ``manifest_of_checkpoint``
 reads the same triple from safetensors headers only, so it also works on a full-size checkpoint.
 """
@@ -53,7 +53,7 @@ class TensorSpec(NamedTuple):
     dtype: str  # safetensors dtype string: F32, BF16, F8_E4M3, F8_E8M0, I64, I8, ...
 
 
-# Storage families (v4_architecture.md §3.3).
+# Storage families (docs/reference/v4_architecture.md §3.3).
 _F32 = "f32"  # attn_sink, ape, hc_*, gate.bias: fp32 on disk whatever the weight dtype
 _I64 = "i64"  # tid2eid
 _PLAIN = "plain"  # weights kept unquantized: embed/head/norms/gate/compressor/indexer weights_proj

@@ -76,7 +76,7 @@ def tiny_config(
 
 
 def _tiny_mixed() -> DeepseekV4Config:
-    # The cross-checked config of v4_architecture.md §9: sliding/hash, CSA/hash, HCA(16), CSA.
+    # The cross-checked config of docs/reference/v4_architecture.md §9: sliding/hash, CSA/hash, HCA(16), CSA.
     return tiny_config(
         layer_types=[SLIDING, CSA, HCA, CSA],
         num_hash_layers=2,
@@ -279,7 +279,7 @@ def _full_size(**fields: object) -> DeepseekV4Config:
 
 
 def flash_config() -> DeepseekV4Config:
-    """DeepSeek-V4-Flash (v4_architecture.md §2.1): 43 layers, compress_ratios [0,0]+[4,128]*20+[4,0]."""
+    """DeepSeek-V4-Flash (docs/reference/v4_architecture.md §2.1): 43 layers, ratios [0,0]+[4,128]*20+[4,0]."""
     return _full_size(
         hidden_size=4096,
         num_hidden_layers=43,
@@ -296,7 +296,7 @@ def flash_config() -> DeepseekV4Config:
 
 
 def pro_config() -> DeepseekV4Config:
-    """DeepSeek-V4-Pro (v4_architecture.md §2.1): 61 layers, compress_ratios [128,128]+[4,128]*29+[4,0]."""
+    """DeepSeek-V4-Pro (docs/reference/v4_architecture.md §2.1): 61 layers, ratios [128,128]+[4,128]*29+[4,0]."""
     return _full_size(
         hidden_size=7168,
         num_hidden_layers=61,

@@ -1,4 +1,6 @@
-"""Quantized tiny checkpoints in the official DeepSeek-V4 layout (v4_architecture.md §3.3), and their exact values.
+"""Quantized tiny checkpoints in the official DeepSeek-V4 layout, and their exact values.
+
+Formats: ``docs/reference/v4_architecture.md`` §3.3.
 
 ``quantize_state`` turns an unquantized official state dict into the quantized one: the FP8 families of
 :func:`tiny_models.manifest.manifest` (``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b``, ``indexer.wq_b``, shared

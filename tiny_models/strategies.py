@@ -3,7 +3,7 @@
 ``v4_configs()`` draws a frozen :class:`V4Spec`; ``spec.to_config()`` (or :func:`build_config`) turns it
 into a ``DeepseekV4Config``. Every size is capped by :data:`CAPS`. ``tp_divisible=N`` makes every tensor-
 or expert-parallel split dimension (heads, o_groups, indexer heads, experts, vocab) divisible by ``N``.
-Invariants held by construction (v4_architecture.md §9): heads % o_groups == 0, rope_head_dim even and
+Invariants held by construction (docs/reference/v4_architecture.md §9): heads % o_groups == 0, rope_head_dim even and
 < head_dim, index_head_dim >= rope_head_dim, hash layers a prefix, top-k <= experts, one shared expert.
 """
 

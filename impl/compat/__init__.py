@@ -9,7 +9,10 @@ Three pieces, each inactive when the real thing exists:
 | ``mla`` | the local ``DotProductAttention`` rejects ``k_channels`` | accepts ``k_channels``/``v_channels`` as TE's attention does (megatron-core local-spec MLA bug) |
 
 ``install()`` applies all three in the order that matters (megatron-core first, so its own
-``HAVE_TE`` probes see the truth) and is idempotent. See ``../shared/reference/cpu_environment.md``.
+``HAVE_TE`` probes see the truth) and is idempotent. Why each piece exists: ``docs/reference/cpu_environment.md``.
+
+``megatron_bridge`` is not a stand-in: it holds every access to a Megatron-Bridge private attribute, each behind a
+named function, so the rest of ``impl`` depends on Megatron-Bridge's public surface only.
 """
 
 from __future__ import annotations

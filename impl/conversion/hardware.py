@@ -1,4 +1,5 @@
-"""Hardware gates for DeepSeek-V4 fused-kernel defaults (Megatron-Bridge #4338 / #4445 behaviour).
+"""Hardware gates for DeepSeek-V4 fused-kernel defaults (Megatron-Bridge #4338 / #4445 behaviour, described in
+``docs/reference/megatron_bridge.md``).
 
 Fused mHC and fused DSA kernels exist only for Blackwell (CUDA capability major >= 10). Without
 CUDA the answer is False (0.5.0 returned True there, which made CPU and H100 runs pick kernels they

@@ -1,4 +1,4 @@
-"""Pipeline layouts for DeepSeek-V4 (the Megatron-Bridge #4306 behaviour).
+"""Pipeline layouts for DeepSeek-V4 (the Megatron-Bridge #4306 behaviour, ``docs/reference/megatron_bridge.md``).
 
 A layout is one list of layer tokens per (virtual) pipeline stage, in Megatron-Core's vocabulary:
 ``"embedding"``, ``"decoder"``, ``"mtp"``, ``"loss"``. Rules:

@@ -5,7 +5,8 @@ Three things Megatron-Bridge 0.6.2 does not do for this graph, and how they are 
 * **Replicated linears** (``wq_a``, ``wkv``, indexer and compressor projections) are plain modules, not TE
   ``TELinear``; ``get_adapter_attributes_from_linear`` raises for them. :class:`DeepseekV4LoRA` gives them the
   adapter Bridge gives a duplicated ``TELinear``: ``ParallelLinearAdapter(base_linear_is_parallel=False)``.
-* **Grouped ``wo_a``** (Miles #2771): the base is a ``ColumnParallelLinear`` used block-diagonally per group.
+* **Grouped ``wo_a``** (``docs/reference/v4_architecture.md`` §8.3): the base is a ``ColumnParallelLinear`` used
+  block-diagonally per group.
   The adapter keeps PEFT's flattened shapes (``A [r, H*D/G]``, ``B [G*R, r]``); :func:`apply_grouped_wo_a`
   adds ``(B@A)_g`` only to group ``g``. Its dense ``forward`` refuses to run (:class:`GroupedLoRALinear`).
 * **Exclusions**: Bridge asserts ``exclude_modules`` is empty whenever ``target_modules`` is set, so
@@ -34,6 +35,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
+from impl.compat.megatron_bridge import adapter_enabled
 from impl.errors import GroupedLoRAError, MultiLoRAUnsupportedError, TargetError
 from impl.lora.targets import bridge_pattern_matches, qualify_exclusions, qualify_targets
 from impl.lora.vocabulary import TARGET_TABLE
@@ -138,7 +140,7 @@ def apply_grouped_wo_a(
             )
 
     out = torch.einsum("...gd,grd->...gr", x_grouped, weight.view(groups, group_out, per_group_in))
-    if adapter is None or not module._adapter_enabled:
+    if adapter is None or not adapter_enabled(module):
         return out
 
     h = adapter.dropout(x_grouped) if adapter.dropout_position == "pre" else x_grouped
@@ -168,7 +170,7 @@ class ReplicatedLoRALinear(LoRALinear):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.to_wrap(x)
-        if not self._adapter_enabled:
+        if not adapter_enabled(self):
             return out
         return out + self.adapter(x.contiguous()).reshape(out.shape)
 

@@ -1,4 +1,4 @@
-"""Native DeepSeek-V4 attention on Megatron-Core (prefill, no KV cache; ``v4_architecture.md`` §5.3).
+"""Native DeepSeek-V4 attention on Megatron-Core (prefill, no KV cache; ``docs/reference/v4_architecture.md`` §5.3).
 
 Shared-KV MQA (one KV head, K == V) over a causal sliding window of raw tokens plus, on compressed layers,
 the compressor's entries (HCA: every visible entry; CSA: the indexer's top-k). A per-head learned sink joins

@@ -1,4 +1,4 @@
-"""KV compressor of the compressed-attention layers (``v4_architecture.md`` §5.4).
+"""KV compressor of the compressed-attention layers (``docs/reference/v4_architecture.md`` §5.4).
 
 Every closed window of ``ratio`` tokens becomes one entry: a per-channel softmax-gated sum over the window's
 slots, RMS-normalized, with the compress RoPE at position ``w * ratio``. With overlap (ratio 4, CSA) each

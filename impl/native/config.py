@@ -2,7 +2,7 @@
 
 :class:`V4Config` is derived once from a transformers ``DeepseekV4Config`` (or its ``config.json``
 dict) and is the only configuration the native modules read. Field names follow the official
-inference ``ModelArgs`` where one exists (``v4_architecture.md`` §2.2).
+inference ``ModelArgs`` where one exists (``docs/reference/v4_architecture.md`` §2.2).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC), ``v4_architecture.md`` §5.2.
+"""Manifold-constrained hyper-connections (mHC), ``docs/reference/v4_architecture.md`` §5.2.
 
 The residual is ``hc_mult`` parallel streams ``X [B, S, n, d]``. Before each sub-block :func:`hc_pre` turns
 ``X`` into the block input (``pre``-weighted sum of the streams) plus the ``post`` placement weights and the

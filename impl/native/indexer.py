@@ -1,4 +1,4 @@
-"""Lightning indexer of the CSA layers (``v4_architecture.md`` §5.5).
+"""Lightning indexer of the CSA layers (``docs/reference/v4_architecture.md`` §5.5).
 
 Scores every compressed entry for every query, ``score[t, w] = sum_h wI[t, h] * relu(qI[t, h] . K_w) / sqrt(ID)``
 with ``wI = weights_proj(x) / sqrt(IH)``, hides entries a query may not see yet (``w >= (pos + 1) // 4``) and

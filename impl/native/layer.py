@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 decoder layer on the hyper-connection stream (``v4_architecture.md`` §5.9).
+"""The DeepSeek-V4 decoder layer on the hyper-connection stream (``docs/reference/v4_architecture.md`` §5.9).
 
 ``X [B, S, n, d]`` -> attention site -> FFN site -> ``X'``; each site is ``hc_pre`` (collapse the streams),
 ``RMSNorm``, the block, ``hc_post`` (place the output and mix the streams), op for op as transformers'

@@ -1,4 +1,6 @@
-"""The native DeepSeek-V4 model on Megatron-Core (``v4_architecture.md`` §5.1, names in ``docs/DESIGN.md``).
+"""The native DeepSeek-V4 model on Megatron-Core.
+
+Computation: ``docs/reference/v4_architecture.md`` §5.1; parameter names: ``docs/DESIGN.md``.
 
 ``embedding.word_embeddings`` (vocab split over TP) -> ``hc_mult`` identical streams -> ``decoder.layers`` ->
 ``decoder.hc_head_params`` (stream collapse) -> ``decoder.final_layernorm`` -> ``output_layer`` (vocab split over

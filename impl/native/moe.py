@@ -1,4 +1,4 @@
-"""DeepSeek-V4 mixture of experts on Megatron-Core process groups (``v4_architecture.md`` §5.8).
+"""DeepSeek-V4 mixture of experts on Megatron-Core process groups (``docs/reference/v4_architecture.md`` §5.8).
 
 Routing (replicated, per rank, on that rank's own tokens): ``s = sqrt(softplus(x @ W^T))`` in fp32; the
 selection is ``topk(s + expert_bias)`` on score-routed layers or the static ``tid2eid[input_ids]`` on hash

@@ -1,4 +1,4 @@
-"""The multi-token-prediction layer ``mtp.layers.0`` (``v4_architecture.md`` §5.10).
+"""The multi-token-prediction layer ``mtp.layers.0`` (``docs/reference/v4_architecture.md`` §5.10).
 
 Input: the main model's final stream tensor ``X [B, S, n, d]`` (before ``hc_head``) and the next-token ids.
 ``X0 = e_proj(enorm(embed(ids)))`` broadcast over the streams ``+ h_proj(hnorm(X))``, one decoder layer
