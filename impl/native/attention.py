@@ -15,6 +15,9 @@ summed over ranks.
 
 from __future__ import annotations
 
+import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+
+# isort: split
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel

@@ -11,6 +11,9 @@ parameter names; a stage without ``pre_process`` takes the previous stage's stre
 
 from __future__ import annotations
 
+import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+
+# isort: split
 from collections.abc import Iterator, Sequence
 
 import torch

@@ -16,6 +16,9 @@ rank (replicated router, full gradient). With EP = 1 the experts are replicated 
 
 from __future__ import annotations
 
+import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+
+# isort: split
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -7,6 +7,9 @@ CPU-safe settings (CPU initialization, no fused kernels, no sequence parallelism
 
 from __future__ import annotations
 
+import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+
+# isort: split
 from collections.abc import Callable
 
 import torch
