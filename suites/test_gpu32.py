@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.multirank import IMPL_PRELOAD, launched_world, run_ranks
+from fixtures.multirank import impl_preload, launched_world, run_ranks
 from fixtures.subproc import REPO_ROOT, run
 
 pytestmark = [pytest.mark.gpu32, pytest.mark.multirank]
@@ -121,13 +121,13 @@ def flash_recipe(impl):
 
 
 @pytest.fixture(scope="module")
-def flash_run(flash_recipe):
+def flash_run(impl, flash_recipe):
     # The same directory on every rank (shared filesystem): torchrun's rendezvous id names it.
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
     out = Path(os.environ.get("DSV4_OUT", REPO_ROOT / "out")) / f"gpu32-{run_id}" / "adapter"
     case = FlashRunCase(flash_recipe, str(out))
     results = run_ranks(rank_flash_lora_recipe, case, nproc=flash_recipe.world_size, timeout_s=TIMEOUT_S,
-                        preload=IMPL_PRELOAD)  # fmt: skip
+                        preload=impl_preload(impl.name))  # fmt: skip
     return case, results
 
 
