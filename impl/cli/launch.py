@@ -4,8 +4,8 @@ Used by the command line (``qualify``: :func:`run_on_ranks`, which raises :class
 suites' runner (``fixtures/multirank.py``, which judges :func:`launch_ranks`' results against declared
 expectations).
 
-* Plain process: ``nproc`` ranks are spawned (``impl.cli.spawn``): gloo over a file store (no ports), a post-init
-  barrier, a hard timeout with stack dumps, SIGTERM then SIGKILL to each rank's process group, every rank joined.
+* Plain process: ``nproc`` ranks are spawned (``impl.cli.spawn``): gloo (the command line: NCCL where CUDA is
+  present) over a file store (no ports), a post-init barrier, a hard timeout with stack dumps, SIGTERM then SIGKILL to each rank's process group, every rank joined.
 * Inside a launched world (``RANK``/``WORLD_SIZE`` set: torchrun, or a spawned rank calling this again): this
   process is one rank. ``fn`` runs here on the default process group (initialised with NCCL when CUDA is present,
   else gloo, unless someone did it before); the results travel over a dedicated gloo group whose timeout outlasts
@@ -157,6 +157,7 @@ def launch_ranks(
     preload: Sequence[Preload] = (),
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
     grace_s: float = GRACE_S,
+    backend: str = "gloo",
 ) -> list[RankResult]:
     """``fn(rank, world_size, case)`` on ``nproc`` ranks; every rank's :class:`RankResult`, in rank order.
 
@@ -164,7 +165,8 @@ def launch_ranks(
     the run from the moment every rank has finished starting up; collectives time out after ``timeout_s / 2``.
     ``env`` adds environment variables in every spawned rank (set before torch is imported). ``preload`` names
     modules to import, or module-level callables to call, in each rank before the clock starts (megatron's import
-    takes tens of seconds on a loaded host). Never raises for a rank's failure: that is in its result.
+    takes tens of seconds on a loaded host). ``backend`` is the spawned ranks' process group backend (``"nccl"``:
+    rank r drives GPU r). Never raises for a rank's failure: that is in its result.
     """
     module, qualname = fn.__module__, fn.__qualname__
     if "<locals>" in qualname or "<lambda>" in qualname:
@@ -194,6 +196,7 @@ def launch_ranks(
         grace_s=grace_s,
         env=rank_env,
         preload=tuple(preload),
+        backend=backend,
     )
 
 
@@ -205,9 +208,12 @@ def run_on_ranks(
     timeout_s: float,
     preload: Sequence[Preload] = (),
 ) -> list[Any]:
-    """``fn(rank, world_size, args)`` on every rank; the payloads in rank order, or :class:`LaunchError` naming
-    each failed rank (root cause first) when any rank failed."""
-    results = launch_ranks(fn, args, nproc=nproc, timeout_s=timeout_s, preload=preload)
+    """``fn(rank, world_size, args)`` on every rank (NCCL, one GPU per rank, where CUDA is present; else gloo); the
+    payloads in rank order, or :class:`LaunchError` naming each failed rank (root cause first) when any failed."""
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    results = launch_ranks(fn, args, nproc=nproc, timeout_s=timeout_s, preload=preload, backend=backend)
     if any(not r.ok for r in results):
         report = format_report(results, fn_name=fn.__qualname__, world_size=nproc, timeout_s=timeout_s)
         raise LaunchError(report, results=results)

@@ -11,7 +11,7 @@ The calling process is a dispatcher, never a rank. For one call::
                                                  faulthandler -> rank<r>.stack (fatal signals and SIGUSR1)
                                                  preload, import fn's module, unpickle case
                            <-------------------  ("ready", pid)
-    all ready -> "go" to every rank  -------->   init_process_group("gloo", file://, timeout=timeout_s/2), barrier
+    all ready -> "go" to every rank  -------->   init_process_group(gloo|nccl, file://, timeout=timeout_s/2), barrier
                                                  payload = fn(rank, world_size, case)
                            <-------------------  ("result", RankResult)   (also when fn raised anything)
                                                  destroy_process_group() (success only), os._exit
@@ -79,6 +79,7 @@ class _RankSpec:
     fn_qualname: str
     case: bytes
     init_method: str
+    backend: str  # "gloo", or "nccl" (one GPU per rank: LOCAL_RANK)
     pg_timeout_s: float
     env: dict[str, str]
     stack_file: str
@@ -118,8 +119,12 @@ def _join_world(spec: _RankSpec) -> None:
     import torch.distributed as dist
 
     set_collective_timeout_s(spec.pg_timeout_s)
+    if spec.backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(spec.rank)
     dist.init_process_group(
-        "gloo",
+        spec.backend,
         init_method=spec.init_method,
         rank=spec.rank,
         world_size=spec.world_size,
@@ -360,8 +365,9 @@ def spawn_ranks(
     grace_s: float,
     env: Mapping[str, str],
     preload: tuple[Preload, ...],
+    backend: str = "gloo",
 ) -> list[RankResult]:
-    """Run ``fn_module.fn_qualname(rank, nproc, pickle.loads(case))`` on ``nproc`` spawned gloo ranks."""
+    """Run ``fn_module.fn_qualname(rank, nproc, pickle.loads(case))`` on ``nproc`` spawned ranks."""
     tmp = tempfile.mkdtemp(prefix="multirank-")
     world_env = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
 
@@ -373,6 +379,7 @@ def spawn_ranks(
             fn_qualname=fn_qualname,
             case=case,
             init_method=f"file://{tmp}/filestore",
+            backend=backend,
             pg_timeout_s=timeout_s / 2,
             env={"RANK": str(rank), "LOCAL_RANK": str(rank), **world_env, **env},
             stack_file=os.path.join(tmp, f"rank{rank}.stack"),
