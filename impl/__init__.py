@@ -119,6 +119,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "apply_interleaved_rope",
         "rope_inv_freq",
     ),
+    "impl.lora.training": ("adapter_train_step",),
     "impl.lora.peft_loader": (
         "GroupedLoraLinear",
         "load_peft_adapter",
@@ -175,6 +176,7 @@ _NEEDS_MEGATRON = {
     "impl.conversion.bridge",
     "impl.conversion.coverage",
     "impl.lora.wrappers",
+    "impl.lora.training",
     "impl.conversion.mapping",
     "impl.native.hyper",
     "impl.native.layer",

@@ -32,7 +32,7 @@ def _reset_peak_rss() -> bool:
 
 def test_native_vs_transformers_forward_benchmark(impl):
     """Prints forward time (median of N) and peak RSS growth for the largest tiny preset; asserts nothing on time."""
-    ensure_single_rank_megatron()
+    ensure_single_rank_megatron(impl)
     native = native_api(impl)
     hf = build_random_model("tiny-largest", seed=0)
     torch.manual_seed(1)

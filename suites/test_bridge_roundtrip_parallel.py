@@ -4,7 +4,7 @@ and the loaded sharded model reproduces the transformers oracle's logits."""
 import pytest
 
 from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
-from fixtures.multirank import IMPL_PRELOAD, run_ranks
+from fixtures.multirank import impl_preload, run_ranks
 from tiny_models.checkpoint import write_checkpoint
 from tiny_models.presets import get_preset, min_seq_len
 
@@ -39,7 +39,7 @@ def test_load_then_export_is_bit_exact_on_every_rank(impl, ckpt, nproc, layout):
     if world > nproc:
         pytest.skip(f"{layout} needs --nproc {world} (running with --nproc {nproc})")
     case = RoundTripCase(impl.name, str(ckpt), **fields)
-    results = run_ranks(rank_bridge_roundtrip, case, nproc=world, timeout_s=60 * world, preload=IMPL_PRELOAD)
+    results = run_ranks(rank_bridge_roundtrip, case, nproc=world, timeout_s=60 * world, preload=impl_preload(impl.name))
     for r in results:
         p = r.payload
         assert not p["mismatches"], f"{layout} rank {r.rank}: round trip not bit-exact:\n  " + "\n  ".join(

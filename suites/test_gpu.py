@@ -17,7 +17,7 @@ import torch
 import fixtures.asserts as ah
 from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
 from fixtures.e2e_rank_fns import FIVE_TARGETS, LoraE2ECase, case_ids, merged_oracle, oracle_logits, rank_lora_e2e
-from fixtures.multirank import IMPL_PRELOAD, destroy_megatron_parallel, launched_world, run_ranks
+from fixtures.multirank import destroy_megatron_parallel, impl_preload, launched_world, run_ranks
 from tiny_models.checkpoint import load_oracle
 from tiny_models.presets import get_preset, min_seq_len
 
@@ -66,7 +66,7 @@ def test_load_then_export_is_bit_exact_and_logits_match_oracle_under_nccl(impl, 
     name, spec = layout
     seq = min_seq_len(get_preset(PRESET)) if spec.get("pp", 1) == 1 else 0  # the bridge rank fn has no pipeline
     case = RoundTripCase(impl.name, ckpt, logits_seq=seq, **spec)
-    results = run_ranks(rank_bridge_roundtrip, case, nproc=nproc, timeout_s=TIMEOUT_S, preload=IMPL_PRELOAD)
+    results = run_ranks(rank_bridge_roundtrip, case, nproc=nproc, timeout_s=TIMEOUT_S, preload=impl_preload(impl.name))
     for r in results:
         p = r.payload
         assert not p["mismatches"], f"{name} rank {r.rank}: not bit-exact:\n  " + "\n  ".join(p["mismatches"][:40])
@@ -90,7 +90,7 @@ def test_trained_lora_logits_equal_merged_oracle_under_nccl(impl, ckpt, layout, 
         wrap_with_ddp=True,
         **spec,
     )
-    results = run_ranks(rank_lora_e2e, case, nproc=nproc, timeout_s=TIMEOUT_S, preload=IMPL_PRELOAD)
+    results = run_ranks(rank_lora_e2e, case, nproc=nproc, timeout_s=TIMEOUT_S, preload=impl_preload(impl.name))
     adapter = results[0].payload["adapter"]
     assert adapter["targets"] == list(FIVE_TARGETS), f"{name}: gathered targets {adapter['targets']}"
     zero_b = [n for n, t in adapter["tensors"].items() if "linear_out" in n and not np.any(t)]

@@ -81,8 +81,8 @@ def _lora_wo_a(impl, t: dict[str, torch.Tensor], *, tp: int = 1, tp_rank: int = 
 
 
 @pytest.fixture(scope="module")
-def megatron_world() -> None:
-    ensure_single_rank_megatron()
+def megatron_world(impl) -> None:
+    ensure_single_rank_megatron(impl)
 
 
 def test_lora_wo_a_keeps_peft_flattened_factor_shapes(impl, megatron_world):

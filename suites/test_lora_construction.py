@@ -35,8 +35,8 @@ MEANT = {
 
 
 @pytest.fixture(scope="module")
-def megatron_world() -> None:
-    ensure_single_rank_megatron()
+def megatron_world(impl) -> None:
+    ensure_single_rank_megatron(impl)
 
 
 def _tree(impl, hf_config=None) -> nn.Module:

@@ -5,10 +5,13 @@ meets the base's split dimension is split the same way (column-parallel base -> 
 rows; row-parallel base -> lora_A columns = the base's local columns), and the full adapter is the concatenation
 along ``partition_dim``. Under EP the attention adapters are data-parallel replicas and must stay identical."""
 
+import math
+
 import numpy as np
 import pytest
 
-from fixtures.e2e_rank_fns import run_e2e, trained_case
+from fixtures.e2e_rank_fns import ClipCase, rank_clipped_sgd_step, run_e2e, trained_case
+from fixtures.multirank import impl_preload, run_ranks
 from tiny_models.presets import get_preset, min_seq_len
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("lora-e2e")]
@@ -64,3 +67,19 @@ def test_adam_steps_update_every_adapter_and_leave_the_base_bit_identical(impl, 
         a, b = (r.payload["adapter_final"] for r in results)
         diverged = [n for n in a if not np.array_equal(a[n], b[n])]
         assert not diverged, f"ep2: rank 0 and rank 1 hold different adapters after training: {diverged[:4]}"
+
+
+def test_gradient_clipping_bounds_the_norm_of_the_whole_tp_sharded_update(impl, tiny_ckpt_factory):
+    """With SGD at lr 1 the update is the clipped gradient: its norm over the whole model (every TP shard once,
+    a tensor every TP rank holds counted once) equals the bound when the gradient is larger. Clipping each rank
+    by its own shard's norm would give sqrt(2) times the bound here."""
+    clip = 1e-4
+    ckpt = str(tiny_ckpt_factory(PRESET, seed=BASE_SEED))
+    case = ClipCase(impl.name, ckpt, tp=2, clip_grad=clip, seq=min_seq_len(get_preset(PRESET)))
+    results = run_ranks(rank_clipped_sgd_step, case, nproc=2, timeout_s=150, preload=impl_preload(impl.name))
+    squares = [sq for r in results for sq, sharded in r.payload.values() if sharded or r.rank == 0]
+    per_rank = [math.sqrt(sum(sq for sq, _ in r.payload.values())) for r in results]
+    norm = math.sqrt(sum(squares))
+    assert math.isclose(norm, clip, rel_tol=1e-3), (
+        f"the clipped update's global norm is {norm:.6e}, want the bound {clip:g} (per-rank norms {per_rank})"
+    )

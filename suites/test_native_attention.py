@@ -151,8 +151,8 @@ def _build(impl: Any, hf: Any, layer: int, ref: Any, **kwargs: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def megatron_world() -> None:
-    ensure_single_rank_megatron()
+def megatron_world(impl) -> None:
+    ensure_single_rank_megatron(impl)
 
 
 # ------------------------------------------------------------------------------------------------- tests

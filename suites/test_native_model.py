@@ -32,7 +32,7 @@ GRADLESS_BY_DESIGN = ".self_attention.indexer."
 
 @pytest.fixture(scope="module")
 def native(impl):
-    ensure_single_rank_megatron()
+    ensure_single_rank_megatron(impl)
     return native_api(impl)
 
 
@@ -251,12 +251,10 @@ class ParallelCase:
 
 
 def _rank_native_parallel(rank: int, world_size: int, case: ParallelCase) -> dict:
+    api = native_api(load_impl(case.impl_name))  # prepares the host (CPU shims) before megatron-core runs
     from megatron.core import parallel_state
 
-    import impl.compat.active  # noqa: F401  (CPU shims before megatron-core)
-
     init_megatron_parallel(tp=case.tp, ep=case.ep)
-    api = native_api(load_impl(case.impl_name))
     hf = build_random_model(case.preset, seed=0)
     tp_rank, tp_size = (
         parallel_state.get_tensor_model_parallel_rank(),

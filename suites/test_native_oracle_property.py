@@ -24,7 +24,7 @@ TOLERANCE = 1e-5
 @settings(max_examples=max(2, settings.default.max_examples // 5))
 @given(spec=v4_configs())
 def test_generated_configs_loaded_through_the_bridge_match_transformers(impl, spec):
-    ensure_single_rank_megatron()
+    ensure_single_rank_megatron(impl)
     cfg = spec.to_config()
     with tempfile.TemporaryDirectory(prefix="dsv4-prop-") as tmp:
         ckpt = write_checkpoint(cfg, Path(tmp) / "ckpt", seed=3)

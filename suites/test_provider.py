@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.multirank import IMPL_PRELOAD, run_ranks
+from fixtures.multirank import impl_preload, run_ranks
 from fixtures.rank_fns import ProviderCase, rank_provider_hook_before_ddp
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu
 
 
-def test_ddp_is_built_after_the_pre_wrap_hook():
+def test_ddp_is_built_after_the_pre_wrap_hook(impl):
     """DDP's gradient buffers hold exactly the parameters the hook left trainable."""
-    case = ProviderCase(preset="tiny-mixed", trainable_prefix="decoder.layers.0.self_attention.wq_b")
+    case = ProviderCase(impl.name, preset="tiny-mixed", trainable_prefix="decoder.layers.0.self_attention.wq_b")
+    preload = impl_preload(impl.name)
     (result,) = [
-        r.payload for r in run_ranks(rank_provider_hook_before_ddp, case, nproc=1, timeout_s=240, preload=IMPL_PRELOAD)
+        r.payload for r in run_ranks(rank_provider_hook_before_ddp, case, nproc=1, timeout_s=240, preload=preload)
     ]
     assert result["hook_saw"] == ["DeepseekV4NativeModel"], "the hook must see bare, unwrapped chunks"
     assert result["wrapped_types"] == ["DistributedDataParallel"]
@@ -63,7 +64,11 @@ def test_virtual_pipeline_chunks_follow_the_interleaved_layout(impl):
     from fixtures.rank_fns import VppCase, rank_provider_virtual_pipeline
 
     results = run_ranks(
-        rank_provider_virtual_pipeline, VppCase("tiny-tp", pp=2, vpp=2), nproc=2, timeout_s=240, preload=IMPL_PRELOAD
+        rank_provider_virtual_pipeline,
+        VppCase(impl.name, "tiny-tp", pp=2, vpp=2),
+        nproc=2,
+        timeout_s=240,
+        preload=impl_preload(impl.name),
     )
     layout = impl.generate_pipeline_layout(
         4, 4, num_hash_layers=get_preset("tiny-tp").mlp_layer_types.count("hash_moe")

@@ -139,7 +139,7 @@ def _lora_on_quantized(impl, quantized):
     """The quantized base loaded into a native model with LoRA on the five targets and non-zero adapters (a plain
     call, not a fixture: under a pin that cannot dequantize, the load must fail inside the test, where the
     xfails file can mark it)."""
-    ensure_single_rank_megatron()
+    ensure_single_rank_megatron(impl)
     variant, ckpt, state = quantized
     model = impl.DeepseekV4NativeModel(impl.V4Config.from_hf(quant_config()), include_mtp=False)
     impl.load_official_checkpoint([model], ckpt)

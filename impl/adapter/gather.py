@@ -36,14 +36,15 @@ from impl.adapter.export import AdapterState
 from impl.errors import ExportError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
-__all__ = ["AdapterGatherError", "gather_adapter_state", "native_adapter_name"]
+__all__ = ["AdapterGatherError", "gather_adapter_state", "native_adapter_name", "unwrap_chunk"]
 
 
 class AdapterGatherError(ExportError):
     """The shards of one adapter tensor do not fit together (ranks or stages disagree); names the tensor."""
 
 
-def _unwrap(chunk: nn.Module) -> nn.Module:
+def unwrap_chunk(chunk: nn.Module) -> nn.Module:
+    """The bare model inside any stack of wrappers that hold it as ``.module`` (DDP, Float16Module)."""
     while hasattr(chunk, "module") and isinstance(chunk.module, nn.Module):
         chunk = chunk.module
     return chunk
@@ -89,7 +90,7 @@ def _local_full_tensors(chunks: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     """This stage's adapter tensors, TP-gathered (collective over the TP group, same order on every TP rank)."""
     out: dict[str, torch.Tensor] = {}
     for chunk in chunks:
-        bare = _unwrap(chunk)
+        bare = unwrap_chunk(chunk)
         for mod_name, module in bare.named_modules():
             adapter = getattr(module, "adapter", None)
             if adapter is None or not all(hasattr(adapter, a) for a in ("linear_in", "linear_out")):
@@ -159,7 +160,7 @@ def gather_adapter_state(
             merged[name] = t
     merged = dict(sorted(merged.items()))
     order, leaves, plain = _declared(list(merged))
-    num_layers = getattr(getattr(_unwrap(chunks[0]), "v4_config", None), "num_layers", None)
+    num_layers = getattr(getattr(unwrap_chunk(chunks[0]), "v4_config", None), "num_layers", None)
     full_cover = num_layers is not None and plain and all(leaves[leaf] == set(range(num_layers)) for leaf in order)
     return AdapterState(
         tensors=merged,

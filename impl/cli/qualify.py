@@ -75,23 +75,36 @@ class _Progress:
             print(f"  [{self.i}/{self.total}] {what} ...", flush=True)
 
 
-def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]:
-    import torch
+@dataclass
+class _RankRun:
+    """What one qualify rank carries from step to step; each step records its :class:`Check`."""
+
+    rank: int
+    opts: QualifyOptions
+    base: Path
+    hf_config: Any
+    progress: _Progress
+    checks: list[Check] = field(default_factory=list)
+    chunks: list[Any] = field(default_factory=list)
+    handle: Any = None
+    eval_ids: Any = None
+    positions: Any = None
+    generator: Any = None
+    seq: int = 0
+    oracle_logits: Any = None  # rank 0, with the oracle: transformers' logits of the base
+    lora_logits: Any = None  # the native model's logits after training
+
+    def record(self, name: str, passed: bool | None, figure: str, t0: float, **detail: Any) -> None:
+        self.checks.append(Check(name, passed, figure, detail, round(time.perf_counter() - t0, 3)))
+
+    @property
+    def model(self) -> Any:
+        return self.chunks[0].module
+
+
+def _init_parallel(opts: QualifyOptions) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from transformers import AutoConfig
-
-    import impl
-    from impl.adapter.dialects import official_base_name
-    from impl.adapter.gather import gather_adapter_state
-    from impl.native.config import V4Config
-    from impl.native.schedule import ManualPipeline
-
-    checks: list[Check] = []
-    progress = _Progress(rank, 6)
-
-    def record(name, passed, figure, t0, **detail):
-        checks.append(Check(name, passed, figure, detail, round(time.perf_counter() - t0, 3)))
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=opts.tp,
@@ -101,30 +114,34 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
         distributed_timeout_minutes=max(1.0, opts.timeout_s / 120),
     )
     model_parallel_cuda_manual_seed(opts.seed + 1)
-    base = Path(opts.base)
-    hf_config = AutoConfig.from_pretrained(base)
 
-    progress.step("build native model (strict load + LoRA pre-wrap hooks, then DDP)")
+
+def _build(run: _RankRun) -> None:
+    """``build`` and ``strict_load``: provider build, base load and LoRA in pre-wrap hooks, then DDP."""
+    import impl
+
+    opts = run.opts
+    run.progress.step("build native model (strict load + LoRA pre-wrap hooks, then DDP)")
     t0 = time.perf_counter()
     loaded: dict[str, Any] = {}
 
     def load_base(chunks):
-        loaded["report"] = impl.load_official_checkpoint(chunks, base)
+        loaded["report"] = impl.load_official_checkpoint(chunks, run.base)
         return chunks
 
     lora_hook = impl.make_lora_pre_wrap_hook(targets=list(opts.targets), rank=opts.rank, alpha=opts.alpha)
-    chunks = impl.build_native_model(
-        hf_config, tp=opts.tp, ep=opts.ep, pp=opts.pp, pre_wrap_hooks=[load_base, lora_hook], wrap_with_ddp=True
+    run.chunks = impl.build_native_model(
+        run.hf_config, tp=opts.tp, ep=opts.ep, pp=opts.pp, pre_wrap_hooks=[load_base, lora_hook], wrap_with_ddp=True
     )
-    (chunk,) = chunks
+    (chunk,) = run.chunks
     model = chunk.module
-    handle = lora_hook.handle
+    handle = run.handle = lora_hook.handle
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     saved = set(handle.params_to_save)
     buffered = {id(p) for buf in [*chunk.buffers, *chunk.expert_parallel_buffers] for p in buf.params}
     ddp_names = {n for n, p in model.named_parameters() if id(p) in buffered}
     adapters_only = bool(trainable) and all(".adapter." in n for n in trainable)
-    record(
+    run.record(
         "build",
         adapters_only and ddp_names == trainable and trainable <= {n.removeprefix("module.") for n in saved},
         f"{sum(len(w) for w in handle.wrapped)} modules wrapped, {len(trainable)} trainable tensors, DDP after hook",
@@ -135,7 +152,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     )
     report = loaded["report"]
     totals = report.totals
-    record(
+    run.record(
         "strict_load",
         totals["unmapped"] == 0 and totals["missing"] == 0 and totals["native_filled"] > 0,
         f"loaded {totals['loaded']}, declared-not-loaded {totals['declared_not_loaded']}, "
@@ -145,52 +162,73 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
         declared=dict(report.declared_not_loaded),
     )
 
-    seq = opts.seq_len or V4Config.from_hf(hf_config).min_seq_len
-    gen = torch.Generator().manual_seed(opts.seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    eval_ids = torch.randint(0, hf_config.vocab_size, (opts.batch, seq), generator=gen).to(device)
-    pos = torch.arange(seq, device=device).unsqueeze(0)
 
-    progress.step("base logits vs transformers (zero-initialised adapters)")
-    t0 = time.perf_counter()
-    model.eval()
+def _device() -> Any:
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _logits(run: _RankRun) -> Any:
+    import torch
+
+    from impl.native.schedule import ManualPipeline
+
+    run.model.eval()
     with torch.no_grad():
-        base_logits = ManualPipeline(chunk).run(eval_ids, pos)
-    oracle_logits = None
-    if rank == 0 and opts.oracle:
+        return ManualPipeline(run.chunks[0]).run(run.eval_ids, run.positions)
+
+
+def _check_base_logits(run: _RankRun) -> None:
+    """``base_logits``: zero-initialised adapters leave transformers' logits unchanged (rank 0 compares)."""
+    import torch
+
+    from impl.native.config import V4Config
+
+    opts = run.opts
+    run.seq = opts.seq_len or V4Config.from_hf(run.hf_config).min_seq_len
+    run.generator = torch.Generator().manual_seed(opts.seed)
+    device = _device()
+    run.eval_ids = torch.randint(0, run.hf_config.vocab_size, (opts.batch, run.seq), generator=run.generator)
+    run.eval_ids = run.eval_ids.to(device)
+    run.positions = torch.arange(run.seq, device=device).unsqueeze(0)
+    run.progress.step("base logits vs transformers (zero-initialised adapters)")
+    t0 = time.perf_counter()
+    native = _logits(run)
+    if run.rank == 0 and opts.oracle:
         from tiny_models.checkpoint import load_oracle
 
         with torch.no_grad():
-            oracle_logits = load_oracle(base)(eval_ids.cpu()).logits.float()
-        diff = (base_logits.cpu() - oracle_logits).abs().max().item()
-        record("base_logits", diff <= TOLERANCE, f"max|Δ|={diff:.2e} (tol {TOLERANCE:g})", t0, max_abs_diff=diff)
-    elif rank == 0:
-        record("base_logits", None, "skipped (--no-oracle)", t0)
+            run.oracle_logits = load_oracle(run.base)(run.eval_ids.cpu()).logits.float()
+        diff = (native.cpu() - run.oracle_logits).abs().max().item()
+        run.record("base_logits", diff <= TOLERANCE, f"max|Δ|={diff:.2e} (tol {TOLERANCE:g})", t0, max_abs_diff=diff)
+    elif run.rank == 0:
+        run.record("base_logits", None, "skipped (--no-oracle)", t0)
 
-    progress.step(f"train {opts.steps} steps")
+
+def _train(run: _RankRun) -> None:
+    """``train``: finite loss, a finite non-zero update on every adapter, the base bit-identical."""
+    import torch
+
+    import impl
+
+    opts = run.opts
+    run.progress.step(f"train {opts.steps} steps")
     t0 = time.perf_counter()
-    model.train()
+    model = run.model
     base_before = {n: _sha(p) for n, p in model.named_parameters() if not p.requires_grad}
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     before = {n: p.detach().clone() for n, p in adapters.items()}
     opt = torch.optim.Adam(adapters.values(), lr=opts.lr)
     losses = []
     for _ in range(opts.steps):
-        ids = torch.randint(0, hf_config.vocab_size, (opts.batch, seq), generator=gen).to(device)
-        labels = torch.roll(ids, -1, dims=1)
-        opt.zero_grad(set_to_none=True)
-        chunk.zero_grad_buffer()
-        loss = ManualPipeline(chunk).run(ids, pos, labels=labels, backward=True)
-        chunk.finish_grad_sync()
-        for p in adapters.values():  # Megatron DDP accumulates into main_grad
-            p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else p.grad
-        opt.step()
-        losses.append(float(loss.float().mean()))
+        ids = torch.randint(0, run.hf_config.vocab_size, (opts.batch, run.seq), generator=run.generator)
+        losses.append(impl.adapter_train_step(run.chunks, ids.to(_device()), opt, position_ids=run.positions))
     no_update = [n for n, p in adapters.items() if torch.equal(p.detach(), before[n])]
     non_finite = [n for n, p in adapters.items() if not torch.isfinite(p).all()]
     base_changed = [n for n, p in model.named_parameters() if not p.requires_grad and _sha(p) != base_before[n]]
     finite = all(torch.isfinite(torch.tensor(losses)))
-    record(
+    run.record(
         "train",
         finite and not no_update and not non_finite and not base_changed,
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {len(adapters) - len(no_update)}/{len(adapters)} adapters "
@@ -201,72 +239,117 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
         non_finite=non_finite,
         base_changed=base_changed,
     )
-    model.eval()
-    with torch.no_grad():
-        lora_logits = ManualPipeline(chunk).run(eval_ids, pos)
+    run.lora_logits = _logits(run)
 
-    progress.step("export adapter (gather, stage, validate, publish, .complete)")
+
+def _export(run: _RankRun) -> Path:
+    """``export`` (collective): gather the adapter, publish it with the base's fingerprint."""
+    import impl
+    from impl.adapter.dialects import official_base_name
+    from impl.adapter.gather import gather_adapter_state
+
+    opts = run.opts
+    run.progress.step("export adapter (gather, stage, validate, publish, .complete)")
     t0 = time.perf_counter()
     out = Path(opts.out) / "adapter"
-    layers = range(hf_config.num_hidden_layers)
+    layers = range(run.hf_config.num_hidden_layers)
     fp_names = [official_base_name(n, row) for n in layers for row in _exported_rows(opts.targets)]
-    fingerprint = impl.base_fingerprint(base, fp_names)
-    state = gather_adapter_state(chunks, handle)
+    fingerprint = impl.base_fingerprint(run.base, fp_names)
+    state = gather_adapter_state(run.chunks, run.handle)
     impl.export_adapter(
         lambda: state,
         out,
         dialect=opts.dialect,
-        base_model_name_or_path=str(base),
+        base_model_name_or_path=str(run.base),
         base_fingerprint=fingerprint,
         timeout_s=opts.timeout_s / 4,
     )
-    if rank == 0:
+    if run.rank == 0:
         files = sorted(p.name for p in out.iterdir())
-        record("export", (out / impl.COMPLETE_MARKER).exists(), f"{len(files)} files: {', '.join(files)}", t0)
+        run.record("export", (out / impl.COMPLETE_MARKER).exists(), f"{len(files)} files: {', '.join(files)}", t0)
+    return out
 
-        progress.step("reload with PEFT on transformers and compare logits")
-        t0 = time.perf_counter()
-        if opts.dialect == "transformers" and opts.oracle:
-            from tiny_models.checkpoint import load_oracle
 
-            diffs = {}
-            for mode, merge in (("merged", True), ("unmerged", False)):  # unmerged: grouped o_a_proj layer
-                peft_model = impl.load_peft_adapter(load_oracle(base), out, merge=merge).eval()
-                with torch.no_grad():
-                    reloaded = peft_model(eval_ids.cpu()).logits.float()
-                diffs[mode] = (lora_logits.cpu() - reloaded).abs().max().item()
-            diff = max(diffs.values())
-            moved = (lora_logits.cpu() - oracle_logits).abs().max().item()
-            record(
-                "reload",
-                diff <= TOLERANCE and moved > 0,
-                f"max|Δ| merged {diffs['merged']:.2e}, unmerged {diffs['unmerged']:.2e} (tol {TOLERANCE:g}); "
-                f"adapter moved logits by {moved:.2e}",
-                t0,
-                max_abs_diff=diff,
-                max_abs_diff_merged=diffs["merged"],
-                max_abs_diff_unmerged=diffs["unmerged"],
-                adapter_effect=moved,
-            )
-        else:
-            why = "--no-oracle" if not opts.oracle else f"dialect {opts.dialect!r} (the reload uses 'transformers')"
-            record("reload", None, f"skipped: {why}", t0)
+def _check_reload(run: _RankRun, out: Path) -> None:
+    """``reload`` (rank 0): PEFT on transformers' model of the base gives the native LoRA model's logits."""
+    import torch
 
-        progress.step("verify the published adapter against its base")
-        t0 = time.perf_counter()
-        try:
-            impl.validate_adapter_dir(out, base=base)
-            impl.verify_fingerprint(out, base)
-            record("verify", True, "files, marker hashes, names, shapes, finiteness, fingerprint", t0)
-        except impl.Dsv4Error as exc:
-            record("verify", False, f"{type(exc).__name__}: {exc}", t0)
-    return {"rank": rank, "checks": [asdict(c) for c in checks]}
+    import impl
+
+    opts = run.opts
+    run.progress.step("reload with PEFT on transformers and compare logits")
+    t0 = time.perf_counter()
+    if opts.dialect != "transformers" or not opts.oracle:
+        why = "--no-oracle" if not opts.oracle else f"dialect {opts.dialect!r} (the reload uses 'transformers')"
+        run.record("reload", None, f"skipped: {why}", t0)
+        return
+    from tiny_models.checkpoint import load_oracle
+
+    lora_logits = run.lora_logits.cpu()
+    diffs = {}
+    for mode, merge in (("merged", True), ("unmerged", False)):  # unmerged: grouped o_a_proj layer
+        peft_model = impl.load_peft_adapter(load_oracle(run.base), out, merge=merge).eval()
+        with torch.no_grad():
+            reloaded = peft_model(run.eval_ids.cpu()).logits.float()
+        diffs[mode] = (lora_logits - reloaded).abs().max().item()
+    diff = max(diffs.values())
+    moved = (lora_logits - run.oracle_logits).abs().max().item()
+    run.record(
+        "reload",
+        diff <= TOLERANCE and moved > 0,
+        f"max|Δ| merged {diffs['merged']:.2e}, unmerged {diffs['unmerged']:.2e} (tol {TOLERANCE:g}); "
+        f"adapter moved logits by {moved:.2e}",
+        t0,
+        max_abs_diff=diff,
+        max_abs_diff_merged=diffs["merged"],
+        max_abs_diff_unmerged=diffs["unmerged"],
+        adapter_effect=moved,
+    )
+
+
+def _check_verify(run: _RankRun, out: Path) -> None:
+    """``verify`` (rank 0): the published directory passes the ``verify-adapter`` checks."""
+    import impl
+
+    run.progress.step("verify the published adapter against its base")
+    t0 = time.perf_counter()
+    try:
+        impl.validate_adapter_dir(out, base=run.base)
+        impl.verify_fingerprint(out, run.base)
+        run.record("verify", True, "files, marker hashes, names, shapes, finiteness, fingerprint", t0)
+    except impl.Dsv4Error as exc:
+        run.record("verify", False, f"{type(exc).__name__}: {exc}", t0)
+
+
+def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]:
+    """One rank's share of qualify: every step in order; rank 0 also checks against the oracle and the export."""
+    from transformers import AutoConfig
+
+    _init_parallel(opts)
+    base = Path(opts.base)
+    run = _RankRun(rank, opts, base, AutoConfig.from_pretrained(base), _Progress(rank, 6))
+    _build(run)
+    _check_base_logits(run)
+    _train(run)
+    out = _export(run)
+    if rank == 0:
+        _check_reload(run, out)
+        _check_verify(run, out)
+    return {"rank": rank, "checks": [asdict(c) for c in run.checks]}
 
 
 def _exported_rows(targets) -> list[TargetRow]:
     """The table rows of the exportable (main-attention) targets among ``targets`` (any accepted name), once each."""
     rows = (TARGET_TABLE.row(t) for t in targets)
     return list(dict.fromkeys(row for row in rows if row is not None and row.main))
+
+
+def _preload() -> None:
+    """Import what a rank uses before the launcher starts its clock (``import impl`` alone is lazy)."""
+    import impl
+
+    for name in ("build_native_model", "load_official_checkpoint", "make_lora_pre_wrap_hook", "adapter_train_step"):
+        getattr(impl, name)
 
 
 def versions() -> dict[str, str]:
@@ -316,7 +399,7 @@ def run_qualify(opts: QualifyOptions, *, nproc: int) -> list[Check]:
     )
     if not checks[-1].passed:
         return checks
-    payloads = run_on_ranks(_qualify_rank, opts, nproc=nproc, timeout_s=opts.timeout_s)
+    payloads = run_on_ranks(_qualify_rank, opts, nproc=nproc, timeout_s=opts.timeout_s, preload=(_preload,))
     checks += [Check(**c) for c in payloads[0]["checks"]]
     for p in payloads[1:]:  # other ranks report only what failed locally
         checks += [

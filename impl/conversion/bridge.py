@@ -53,7 +53,7 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from torch import nn
 
-from impl.adapter.gather import gather_adapter_state
+from impl.adapter.gather import gather_adapter_state, unwrap_chunk
 from impl.compat.megatron_bridge import (
     detect_parallelism,
     registered_model_bridge,
@@ -187,16 +187,10 @@ class _NativeTensor:
     n_experts: int | None  # total routed experts, for EP export
 
 
-def _unwrap(chunk: nn.Module) -> nn.Module:
-    while hasattr(chunk, "module") and isinstance(chunk.module, nn.Module):
-        chunk = chunk.module
-    return chunk
-
-
 def _native_tensors(chunks: list[nn.Module]) -> list[_NativeTensor]:
     out: list[_NativeTensor] = []
     for ci, chunk in enumerate(chunks):
-        model = _unwrap(chunk)
+        model = unwrap_chunk(chunk)
         named = [(n, p) for n, p in model.named_parameters() if "_extra_state" not in n]
         named += [(n, b) for n, b in persistent_buffers(model) if "_extra_state" not in n]
         for local, tensor in named:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,35 @@ def _rank_injected(rank: int, world_size: int, case: Case) -> int:
 def _rank_nested(rank: int, world_size: int, case: Case) -> list:
     # Inside a rank RANK/WORLD_SIZE are set, as under torchrun: run_ranks runs in-process on the live group.
     return [r.payload for r in run_ranks(_rank_allreduce, case, nproc=world_size, timeout_s=10)]
+
+
+def _skip(message: str) -> None:
+    pytest.skip(message)
+
+
+def _fail(message: str) -> None:
+    pytest.fail(message)
+
+
+@dataclass(frozen=True)
+class GiveUpCase:
+    give_up: Callable[[str], None]  # _skip or _fail: each raises a BaseException that is not an Exception
+    timeout_s: float = 10
+
+
+def _rank_gives_up_while_peer_waits(rank: int, world_size: int, case: GiveUpCase) -> int:
+    if rank == 1:
+        case.give_up(f"rank 1 gives up in {case.give_up.__name__}")
+    dist.barrier()  # rank 0 waits here for a peer that never comes
+    return rank
+
+
+def _rank_nested_gives_up(rank: int, world_size: int, case: GiveUpCase) -> str:
+    try:
+        run_ranks(_rank_gives_up_while_peer_waits, case, nproc=world_size, timeout_s=case.timeout_s)
+    except MultiRankFailure as exc:
+        return str(exc)
+    return "the in-process run_ranks did not fail"
 
 
 # ------------------------------------------------------------------------------------------------- orphans
@@ -200,6 +230,48 @@ def test_inside_a_launched_world_run_ranks_runs_in_process(children_before):
     expected = [{"rank": r, "world_size": 2, "sum": 3.0, "env_rank": r} for r in (0, 1)]
     assert [r.payload for r in results] == [expected, expected]
     assert_no_orphans(children_before, [r.pid for r in results])
+
+
+GIVE_UPS = [
+    pytest.param(_skip, pytest.skip.Exception, id="pytest.skip"),
+    pytest.param(_fail, pytest.fail.Exception, id="pytest.fail"),
+]
+
+
+@pytest.mark.parametrize(("give_up", "exc_class"), GIVE_UPS)
+def test_pytest_skip_or_fail_inside_a_rank_is_reported_not_left_hanging(children_before, give_up, exc_class):
+    case = GiveUpCase(give_up)
+    start = time.monotonic()
+    with pytest.raises(MultiRankFailure) as info:
+        run_ranks(_rank_gives_up_while_peer_waits, case, nproc=2, timeout_s=case.timeout_s)
+    report, wall, returned_at = str(info.value), time.monotonic() - start, time.time()
+    exc = exc_class.__qualname__  # Skipped / Failed
+    assert f"\nroot cause: rank 1 {exc}: rank 1 gives up in {give_up.__name__}\n" in report, report
+    rank0, rank1 = info.value.results
+    assert not rank0.ok and rank0.outcome in ("raised", "terminated"), f"rank 0 should fail with its peer: {report}"
+    assert returned_at - rank1.finished_at < case.timeout_s, (
+        f"the run outlived its timeout after rank 1 gave up:\n{report}"
+    )
+    assert_no_orphans(children_before, [r.pid for r in info.value.results])
+    print(f"{give_up.__name__} in a rank: {wall:.1f}s including startup; rank 0: {rank0.summary()}")
+
+
+@pytest.mark.parametrize(("give_up", "exc_class"), GIVE_UPS)
+def test_pytest_skip_or_fail_inside_an_in_process_rank_is_reported_on_every_rank(give_up, exc_class):
+    """The torchrun path: each rank runs run_ranks in-process; rank 1 gives up while rank 0 waits in a barrier.
+    Rank 0's barrier times out (the outer group's timeout_s / 2), then both ranks exchange their results."""
+    inner = GiveUpCase(give_up, timeout_s=6)
+    reports = [r.payload for r in run_ranks(_rank_nested_gives_up, inner, nproc=2, timeout_s=12)]
+    exc = exc_class.__qualname__
+    for rank, report in enumerate(reports):
+        lines = report.splitlines()
+        assert lines[:2] == [
+            "2/2 ranks failed in _rank_gives_up_while_peer_waits (world_size=2, timeout=6s)",
+            f"root cause: rank 1 {exc}: rank 1 gives up in {give_up.__name__}",
+        ], f"report on rank {rank}:\n{report}"
+        assert lines[2].startswith("rank 0: ") and lines[2].endswith("(collective error, likely collateral)"), (
+            f"rank 0 should report its timed-out barrier; report on rank {rank}:\n{report}"
+        )
 
 
 # ------------------------------------------------------------------------------ pure logic (no processes)
