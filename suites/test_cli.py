@@ -15,15 +15,20 @@ from fixtures.subproc import run
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
 
 QUALIFY_CHECKS = ["detect", "coverage", "build", "strict_load", "base_logits", "train", "export", "reload", "verify"]
-CLI = [sys.executable, "-m", "impl.cli"]
-
-
-def dsv4(*args: str, timeout: float = 600):
-    return run([*CLI, *map(str, args)], timeout=timeout)
 
 
 @pytest.fixture(scope="session")
-def qualified(tmp_path_factory) -> Path:
+def dsv4(impl):
+    """Run the implementation's command line (``python -m <impl>.cli``, so ``--impl`` reaches it too)."""
+
+    def run_cli(*args: str, timeout: float = 600):
+        return run([sys.executable, "-m", f"{impl.name}.cli", *map(str, args)], timeout=timeout)
+
+    return run_cli
+
+
+@pytest.fixture(scope="session")
+def qualified(tmp_path_factory, dsv4) -> Path:
     """One default ``qualify`` run per worker (session scope: xdist may interleave modules, which would tear a
     module fixture down and run it again); its base and adapter are reused by the other cases, never modified."""
     out = tmp_path_factory.mktemp("qualify")
@@ -32,13 +37,13 @@ def qualified(tmp_path_factory) -> Path:
     return out
 
 
-def test_every_subcommand_has_help():
+def test_every_subcommand_has_help(dsv4):
     for sub in ([], ["qualify"], ["verify-adapter"], ["coverage"]):
         result = dsv4(*sub, "--help", timeout=120)
         assert result.returncode == 0 and "usage: dsv4-lora" in result.stdout, (sub, result.stderr[-2000:])
 
 
-def test_default_qualify_passes_and_reports_every_check(qualified):
+def test_default_qualify_passes_and_reports_every_check(dsv4, qualified):
     report = json.loads((qualified / "qualify.json").read_text())
     assert report["ok"] is True
     assert [c["name"] for c in report["checks"]] == QUALIFY_CHECKS
@@ -57,7 +62,7 @@ def _copy_base(qualified: Path, tmp_path: Path) -> Path:
     return base
 
 
-def test_qualify_rejects_a_v3_config(qualified, tmp_path):
+def test_qualify_rejects_a_v3_config(dsv4, qualified, tmp_path):
     base = _copy_base(qualified, tmp_path)
     cfg = json.loads((base / "config.json").read_text())
     cfg["architectures"], cfg["model_type"] = ["DeepseekV3ForCausalLM"], "deepseek_v3"
@@ -67,7 +72,7 @@ def test_qualify_rejects_a_v3_config(qualified, tmp_path):
     assert "detect" in result.stdout and "DeepseekV3ForCausalLM" in result.stdout, result.stdout[-3000:]
 
 
-def test_qualify_rejects_a_corrupt_safetensors_file(qualified, tmp_path):
+def test_qualify_rejects_a_corrupt_safetensors_file(dsv4, qualified, tmp_path):
     base = _copy_base(qualified, tmp_path)
     (st,) = base.glob("*.safetensors")
     st.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
@@ -76,7 +81,7 @@ def test_qualify_rejects_a_corrupt_safetensors_file(qualified, tmp_path):
     assert st.name in result.stdout + result.stderr, (result.stdout[-3000:], result.stderr[-3000:])
 
 
-def test_qualify_names_a_missing_tensor(qualified, tmp_path):
+def test_qualify_names_a_missing_tensor(dsv4, qualified, tmp_path):
     base = _copy_base(qualified, tmp_path)
     (st,) = base.glob("*.safetensors")
     tensors = load_file(st)
@@ -87,7 +92,7 @@ def test_qualify_names_a_missing_tensor(qualified, tmp_path):
     assert "layers.1.attn.wq_b.weight" in result.stdout, result.stdout[-3000:]
 
 
-def test_qualify_rejects_a_bad_target(qualified, tmp_path):
+def test_qualify_rejects_a_bad_target(dsv4, qualified, tmp_path):
     result = dsv4("qualify", "--base", qualified / "base", "--targets", "wq_a,no_such_proj", "--out", tmp_path / "out")
     assert result.returncode == 1
     text = result.stdout + result.stderr
@@ -167,14 +172,14 @@ TAMPER = {
 }
 
 
-def test_verify_adapter_accepts_the_qualified_adapter(qualified):
+def test_verify_adapter_accepts_the_qualified_adapter(dsv4, qualified):
     result = dsv4("verify-adapter", "--base", qualified / "base", "--adapter", qualified / "adapter", "--forward")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "PASSED" in result.stdout and "forward" in result.stdout
 
 
 @pytest.mark.parametrize("case", sorted(TAMPER))
-def test_verify_adapter_catches(qualified, tmp_path, case):
+def test_verify_adapter_catches(dsv4, qualified, tmp_path, case):
     tamper, expected = TAMPER[case]
     base, adapter = _copy_base(qualified, tmp_path), tmp_path / "adapter"
     shutil.copytree(qualified / "adapter", adapter)
@@ -184,7 +189,7 @@ def test_verify_adapter_catches(qualified, tmp_path, case):
     assert expected in result.stdout, f"{case}: problem list does not name {expected!r}:\n{result.stdout[-3000:]}"
 
 
-def test_coverage_of_the_flash_manifest_is_complete():
+def test_coverage_of_the_flash_manifest_is_complete(dsv4):
     result = dsv4("coverage", "--manifest", "flash", "--limit", "5", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "unmapped 0" in result.stdout and "missing 0" in result.stdout

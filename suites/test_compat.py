@@ -164,7 +164,8 @@ def test_local_spec_mla_attention_runs_forward_and_backward(impl, tmp_path):
     out = run_python(
         textwrap.dedent(
             f"""
-            import impl.compat.active, torch, torch.nn.functional as F
+            import {impl.name} as implementation; implementation.compat_report()
+            import torch, torch.nn.functional as F
             import torch.distributed as dist
             from megatron.core import parallel_state
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -66,13 +66,22 @@ def test_flash_recipe_lora_updates_are_finite_and_nonzero_on_every_rank(flash_ru
         assert not bad, f"rank {r.rank}: adapters with no or non-finite update: {bad[:10]}"
 
 
-def test_flash_recipe_adapter_passes_verify_adapter_cli(flash_run, flash_recipe):
+def test_flash_recipe_adapter_passes_verify_adapter_cli(impl, flash_run, flash_recipe):
     case, _ = flash_run
     if launched_world().rank != 0:
         pytest.skip("rank 0 checks the published adapter")
     adapter = Path(case.out)
     assert (adapter / ".complete").exists(), f"export did not publish {adapter}"
-    cli = [sys.executable, "-m", "impl.cli", "verify-adapter", "--base", flash_recipe.checkpoint, "--adapter", adapter]
+    cli = [
+        sys.executable,
+        "-m",
+        f"{impl.name}.cli",
+        "verify-adapter",
+        "--base",
+        flash_recipe.checkpoint,
+        "--adapter",
+        adapter,
+    ]
     result = run([str(a) for a in cli], timeout=1800)
     assert result.returncode == 0, (
         f"verify-adapter failed on {adapter}:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"

@@ -208,9 +208,8 @@ def test_backward_gives_every_trainable_parameter_a_finite_gradient(native, mixe
     model = _native_from(native, mixed).train()
     ids = _ids(mixed.config, 2, 48, seed=9)
     labels = torch.roll(ids, -1, dims=1)
+    main_loss = model(ids, labels=labels).mean()
     streams = model.forward_streams(ids)
-    y = model.decoder.final_layernorm(model.decoder.hc_head_params(streams))
-    main_loss = model._head(y, labels).mean()
     mtp_logits = model.forward_mtp(streams, labels)
     assert mtp_logits.shape == (2, 48, mixed.config.vocab_size), f"MTP logits shape {tuple(mtp_logits.shape)}"
     assert torch.isfinite(mtp_logits).all(), "MTP logits are not finite"

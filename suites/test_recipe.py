@@ -231,7 +231,7 @@ def test_qualify_args_carry_the_recipe_and_need_a_checkpoint(impl, monkeypatch, 
 def test_tiny_variant_passes_dsv4_lora_qualify_on_two_cpu_ranks(impl, tmp_path):
     args = impl.to_qualify_args(impl.tiny_variant(), out=str(tmp_path / "q"), timeout_s=600)
     t0 = time.perf_counter()
-    result = run([sys.executable, "-m", "impl.cli", *args], timeout=900)
+    result = run([sys.executable, "-m", f"{impl.name}.cli", *args], timeout=900)
     wall = time.perf_counter() - t0
     assert result.returncode == 0, f"qualify {args} exited {result.returncode}:\n{result.stdout[-6000:]}"
     report = json.loads((tmp_path / "q" / "qualify.json").read_text())
@@ -295,7 +295,7 @@ def test_torchrun_script_passes_the_recipe_qualify_flags(impl, monkeypatch, tmp_
     want = impl.to_qualify_args(impl.deepseek_v4_flash_lora_recipe())
     text = (RECIPES / "launch_torchrun.sh").read_text()
     block = re.search(r"-m impl\.cli qualify(.*?)\n\s*;;", text, re.S)
-    assert block, "launch_torchrun.sh has no 'python -m impl.cli qualify' invocation"
+    assert block, "launch_torchrun.sh has no qualify invocation of the command line"
     words = shlex.split(block[1].replace("\\\n", " "))
     got = dict(zip(words[0::2], words[1::2], strict=True))
     wanted = dict(zip(want[1::2], want[2::2], strict=True))
