@@ -89,8 +89,11 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.conversion.mapping": (
         "MAPPING_TABLE",
         "MappingRow",
+        "NATIVE_LAYOUTS",
         "lookup_native",
         "lookup_official",
+        "lookup_official_upstream",
+        "lookup_upstream",
     ),
     "impl.native": (
         "DeepseekV4DecoderLayer",
