@@ -129,6 +129,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "GroupedLoraLinear",
         "load_peft_adapter",
     ),
+    "impl.adapter.upstream_names": ("UpstreamAdapterError",),
     "impl.conversion.pipeline": (
         "generate_pipeline_layout",
         "resolve_pipeline_layout",

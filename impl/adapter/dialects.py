@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from impl.adapter.upstream_names import miles_adapter_name
 from impl.errors import ExportError
 
 #: Prefix PEFT puts in front of every module name in ``adapter_model.safetensors``.
@@ -132,8 +133,11 @@ class NativeAdapterName:
 
 
 def parse_native(name: str) -> NativeAdapterName:
-    """Parse a Megatron-Bridge LoRA parameter name of the native V4 graph (raises ExportError naming it)."""
-    m = _NATIVE_RE.match(name)
+    """Parse a Megatron-Bridge LoRA parameter name of the native V4 graph (raises ExportError naming it).
+
+    A name in the upstream Megatron-Core layout is read as its Miles equivalent (one mapping table, see
+    :mod:`impl.adapter.upstream_names`)."""
+    m = _NATIVE_RE.match(miles_adapter_name(name) or name)
     if m is None:
         raise ExportError(
             f"adapter tensor {name!r} is not a native V4 attention LoRA parameter "
