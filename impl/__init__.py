@@ -133,6 +133,8 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.conversion.pipeline": (
         "generate_pipeline_layout",
         "resolve_pipeline_layout",
+        "run_pipeline_layout",
+        "saved_pipeline_layout",
         "stage_layer_numbers",
         "validate_pipeline_layout",
     ),
