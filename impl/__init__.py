@@ -31,6 +31,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "CoverageReport",
         "coverage_report",
     ),
+    "impl.conversion.dispatch": ("ProviderDispatchError", "provider_through_megatron_bridge"),
     "impl.conversion.detect": (
         "V4_ARCHITECTURE",
         "is_deepseek_v4_config",
@@ -173,6 +174,7 @@ _NEEDS_MEGATRON = {
     "impl.adapter.gather",
     "impl.conversion.bridge",
     "impl.conversion.coverage",
+    "impl.conversion.dispatch",
     "impl.lora.wrappers",
     "impl.conversion.mapping",
     "impl.native",
