@@ -190,21 +190,12 @@ def test_coverage_of_the_flash_manifest_is_complete():
     assert "unmapped 0" in result.stdout and "missing 0" in result.stdout
 
 
-@pytest.mark.parametrize(
-    ("layout", "wq_b", "hc_scale"),
-    [
-        ("miles", "decoder.layers.0.self_attention.wq_b.weight", "decoder.layers.0.hc_attn_scale"),
-        (
-            "upstream",
-            "decoder.layers.0.self_attention.linear_q_up_proj.weight",
-            " + ".join(f"decoder.layers.0.self_attention_hyper_connection.alpha_{p}" for p in ("pre", "post", "res")),
-        ),
-    ],
-)
-def test_coverage_reports_the_native_layout_asked_for(layout, wq_b, hc_scale):
-    result = dsv4("coverage", "--manifest", "tiny-mixed", "--layout", layout, "--limit", "100000", timeout=300)
+def test_coverage_reports_the_upstream_layout_when_asked():
+    result = dsv4("coverage", "--manifest", "tiny-mixed", "--layout", "upstream", "--limit", "100000", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
-    assert f"native ({layout})" in result.stdout, result.stdout[:500]
-    assert rows["layers.0.attn.wq_b.weight"].endswith(wq_b), rows["layers.0.attn.wq_b.weight"]
-    assert rows["layers.0.hc_attn_scale"].endswith(hc_scale), rows["layers.0.hc_attn_scale"]
+    assert "native (upstream)" in result.stdout, result.stdout[:500]
+    wq_b, hc_scale = rows["layers.0.attn.wq_b.weight"], rows["layers.0.hc_attn_scale"]
+    assert wq_b.endswith("decoder.layers.0.self_attention.linear_q_up_proj.weight"), wq_b
+    alphas = " + ".join(f"decoder.layers.0.self_attention_hyper_connection.alpha_{p}" for p in ("pre", "post", "res"))
+    assert hc_scale.endswith(alphas), hc_scale

@@ -240,6 +240,13 @@ def _bridge_walk_names(chunk: nn.Module) -> dict[int, str]:
     return out
 
 
+def _exact_walk_targets(chunk: nn.Module, meant: Sequence[str]) -> list[str]:
+    """Bridge refuses ``exclude_modules`` next to ``target_modules``, and its walk names a stage's layers 0, 1, ...
+    (not their global numbers): the exact walk names of the modules meant, as Bridge's target patterns."""
+    walk, modules = _bridge_walk_names(chunk), dict(chunk.named_modules())
+    return [re.escape(walk[id(modules[n])]) for n in meant]
+
+
 def _on_any_stage(flags: list[bool]) -> list[bool]:
     """``flags`` OR-ed over the pipeline group (every stage runs the hook while building, so all agree)."""
     if (
@@ -346,10 +353,7 @@ def make_lora_pre_wrap_hook(
                 and not any(bridge_pattern_matches(p, n) for p in q_exclude)
             ]
             wrapped.append(meant)
-            # Bridge refuses exclude_modules next to target_modules, and its walk names a stage's layers 0, 1, ...
-            # (not their global numbers): hand it the exact walk names of the modules meant.
-            walk, modules = _bridge_walk_names(chunk), dict(chunk.named_modules())
-            lora.target_modules = [re.escape(walk[id(modules[n])]) for n in meant]
+            lora.target_modules = _exact_walk_targets(chunk, meant)
             if meant:
                 lora(chunk, training=True)
             else:
