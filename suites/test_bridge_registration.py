@@ -53,6 +53,10 @@ def test_upstream_bridge_keeps_serving_gpt_model(impl, mb, monkeypatch):
     assert type(mb.get_model_bridge("DeepseekV4ForCausalLM")) is DeepSeekV4Bridge, "AutoBridge would get ours"
 
 
-def test_provider_bridge_raises_conversion_only_error(impl):
-    with pytest.raises(impl.ConversionOnlyBridgeError, match="conversion-only"):
+def test_our_provider_bridge_hands_v4_to_the_native_provider_and_refuses_anything_else(impl):
+    from tiny_models.presets import get_preset
+
+    cfg = get_preset("tiny-mixed")
+    assert isinstance(impl.DeepseekV4ConversionBridge().provider_bridge(cfg), impl.DeepseekV4NativeProvider)
+    with pytest.raises(impl.NotDeepseekV4Error):
         impl.DeepseekV4ConversionBridge().provider_bridge(None)

@@ -193,3 +193,14 @@ def test_coverage_of_the_flash_manifest_is_complete(dsv4):
     result = dsv4("coverage", "--manifest", "flash", "--limit", "5", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "unmapped 0" in result.stdout and "missing 0" in result.stdout
+
+
+def test_coverage_reports_the_upstream_layout_when_asked():
+    result = dsv4("coverage", "--manifest", "tiny-mixed", "--layout", "upstream", "--limit", "100000", timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
+    assert "native (upstream)" in result.stdout, result.stdout[:500]
+    wq_b, hc_scale = rows["layers.0.attn.wq_b.weight"], rows["layers.0.hc_attn_scale"]
+    assert wq_b.endswith("decoder.layers.0.self_attention.linear_q_up_proj.weight"), wq_b
+    alphas = " + ".join(f"decoder.layers.0.self_attention_hyper_connection.alpha_{p}" for p in ("pre", "post", "res"))
+    assert hc_scale.endswith(alphas), hc_scale

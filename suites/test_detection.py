@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from fixtures.hardware import simulate_hardware
+
 pytestmark = pytest.mark.cpu
 
 NOT_V4 = {
@@ -57,12 +59,19 @@ def test_blackwell_gate_is_false_without_cuda(impl, monkeypatch):
     assert impl.fused_kernel_defaults() == impl.FusedKernelDefaults(use_fused_mhc=False, apply_dsa_kernel_fusion=False)
 
 
-@pytest.mark.parametrize(("major", "expected"), [(8, False), (9, False), (10, True), (12, True)])
-def test_blackwell_gate_follows_capability_major(impl, monkeypatch, major, expected):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+@pytest.mark.parametrize(
+    ("hardware", "expected"), [("a100", False), ("h100", False), ("b200", True), ("rtx-pro-6000", True)]
+)
+def test_blackwell_gate_follows_capability_major(impl, monkeypatch, hardware, expected):
+    simulate_hardware(monkeypatch, hardware, dsa_kernels=True)
     assert impl.deepseek_v4_supports_blackwell_fused_kernels() is expected
     defaults = impl.fused_kernel_defaults()
     assert defaults.use_fused_mhc is expected and defaults.apply_dsa_kernel_fusion is expected
+
+
+def test_dsa_fusion_stays_off_on_blackwell_without_its_kernel_packages(impl, monkeypatch):
+    """#4445: cuDNN's DSA and FlashMLA's sparse forward must import, or the default would name kernels that do not
+    exist on this host; fused mHC does not need them."""
+    simulate_hardware(monkeypatch, "b200", dsa_kernels=False)
+    assert impl.deepseek_v4_supports_fused_dsa_kernels() is False
+    assert impl.fused_kernel_defaults() == impl.FusedKernelDefaults(use_fused_mhc=True, apply_dsa_kernel_fusion=False)

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from fixtures.hardware import simulate_dsa_kernels
 from fixtures.subproc import REPO_ROOT, run
 from tiny_models.presets import flash_config, get_preset, min_seq_len
 
@@ -102,6 +103,7 @@ def test_flash_recipe_reads_its_checkpoint_from_the_environment(impl, monkeypatc
 def test_fused_kernel_defaults_follow_the_hardware_gate_when_the_recipe_is_built(impl, monkeypatch, cuda, major, fused):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (major, 0))
+    simulate_dsa_kernels(monkeypatch, installed=True)  # DSA fusion also needs its packages (test_detection.py)
     recipe = impl.deepseek_v4_flash_lora_recipe()
     got = (recipe.fused.use_fused_mhc, recipe.fused.apply_dsa_kernel_fusion)
     assert got == (fused, fused), f"cuda={cuda} capability major={major}: fused defaults {got}, want {fused}"

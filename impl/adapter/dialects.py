@@ -26,6 +26,7 @@ import string
 from dataclasses import dataclass
 from functools import cache
 
+from impl.adapter.upstream_names import miles_adapter_name
 from impl.errors import ExportError
 from impl.lora.vocabulary import ATTENTION_SCOPE, TARGET_TABLE, TargetRow, TargetTable
 
@@ -153,8 +154,11 @@ class NativeAdapterName:
 
 
 def match_native(name: str, table: TargetTable = TARGET_TABLE) -> NativeAdapterName | None:
-    """A native V4 attention LoRA parameter name of an exportable target, parsed; None for any other name."""
-    m = native_adapter_regex(table).match(name)
+    """A native V4 attention LoRA parameter name of an exportable target, parsed; None for any other name.
+
+    A name in the upstream Megatron-Core layout is read as its Miles equivalent (one mapping table, see
+    :mod:`impl.adapter.upstream_names`)."""
+    m = native_adapter_regex(table).match(miles_adapter_name(name) or name)
     if m is None or not table.main:
         return None
     row = table.by_column("native")[m["leaf"]]

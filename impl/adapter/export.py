@@ -165,7 +165,10 @@ def _build(
     for name, tensor in st.tensors.items():
         p = parse_native(name)
         parsed[p.module_key] = p
-        modules.setdefault(p.module_key, {})[p.half] = (name, tensor)
+        halves = modules.setdefault(p.module_key, {})
+        if p.half in halves:  # only possible when one state mixes the Miles and upstream layouts
+            raise ExportError(f"{name} and {halves[p.half][0]} name the same adapter tensor; use one native layout")
+        halves[p.half] = (name, tensor)
     for halves in modules.values():
         if set(halves) != {"A", "B"}:
             have_half, (have_name, _) = next(iter(halves.items()))

@@ -99,7 +99,7 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     from impl.conversion.coverage import coverage_report
 
     if args.base:
-        report = coverage_report(Path(args.base))
+        report = coverage_report(Path(args.base), layout=args.layout)
     else:
         from tiny_models.manifest import manifest
         from tiny_models.presets import flash_config, get_preset, pro_config
@@ -107,7 +107,9 @@ def cmd_coverage(args: argparse.Namespace) -> int:
         cfg = {"flash": flash_config, "pro": pro_config}.get(args.manifest)
         cfg = cfg() if cfg else get_preset(args.manifest)
         report = coverage_report(
-            [s.name for s in manifest(cfg, with_scales=args.manifest in ("flash", "pro"))], config=cfg
+            [s.name for s in manifest(cfg, with_scales=args.manifest in ("flash", "pro"))],
+            config=cfg,
+            layout=args.layout,
         )
     print(report.table(limit=args.limit))
     totals = report.totals
@@ -175,6 +177,13 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     src.add_argument("--base", help="checkpoint directory")
     src.add_argument("--manifest", help="flash, pro, or a tiny preset name")
     c.add_argument("--limit", type=int, default=40, help="table rows to print (default 40)")
+    c.add_argument(
+        "--layout",
+        default="miles",
+        choices=["miles", "upstream"],
+        help="native names to report: the Miles graph this tool builds (default) or upstream Megatron-Core's "
+        "dsv4_hybrid (Megatron-Bridge's DeepSeekV4Bridge names)",
+    )
     c.set_defaults(func=cmd_coverage)
     return parser
 

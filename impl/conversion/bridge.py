@@ -10,7 +10,7 @@ dispatcher table is a dict, so a second registration with the same source string
 ``DeepSeekV4Bridge`` (0.5.0+) registers ``("DeepseekV4ForCausalLM", GPTModel)``; we register
 ``("DeepseekV4ForCausalLM", DeepseekV4NativeModel)`` for the stream dispatchers and then *restore* the upstream
 ``get_model_bridge`` entry, because that one has no model argument and ``AutoBridge`` uses it to build GPTModel
-providers (our ``provider_bridge`` refuses). So per pin:
+providers (ours hands the config to the native provider). So per pin:
 
 * 0.6.2 (and 0.5.x): ``get_model_bridge("DeepseekV4ForCausalLM")`` -> upstream ``DeepSeekV4Bridge``;
   ``stream_*_megatron_to_hf(("DeepseekV4ForCausalLM", DeepseekV4NativeModel), ...)`` -> ours;
@@ -60,8 +60,9 @@ from impl.compat.megatron_bridge import (
     replicate_over_tensor_parallel,
     restore_model_bridge,
 )
+from impl.conversion.detect import require_deepseek_v4_config
 from impl.conversion.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
-from impl.errors import CheckpointMappingError, ConversionOnlyBridgeError, CorruptCheckpointError, QuantizationError
+from impl.errors import CheckpointMappingError, CorruptCheckpointError, QuantizationError
 
 try:  # Megatron-Bridge >= 0.5.0 dequantizes FP8 / MXFP4 checkpoint weights; 0.4.x has no such module.
     from megatron.bridge.models.conversion.quantization_utils import maybe_dequantize_hf_quantized_weight
@@ -125,11 +126,13 @@ class DeepseekV4ConversionBridge(MegatronModelBridge):
     """Weights only: official DeepSeek-V4 safetensors <-> :class:`DeepseekV4NativeModel` chunks."""
 
     def provider_bridge(self, hf_pretrained: Any) -> Any:
-        raise ConversionOnlyBridgeError(
-            "DeepseekV4ConversionBridge is conversion-only: it maps weights, it does not build models. "
-            "Build the native model with impl.native.provider (the native provider), then load with "
-            "impl.load_official_checkpoint."
-        )
+        """Where Megatron-Bridge's provider lookup dispatches V4 to this bridge (pins without an upstream V4
+        bridge), the config goes to the native provider; this bridge itself only converts weights."""
+        from impl.native.provider import DeepseekV4NativeProvider
+
+        config = getattr(hf_pretrained, "config", hf_pretrained)
+        require_deepseek_v4_config(config)
+        return DeepseekV4NativeProvider(hf_config=config)
 
     def mapping_registry(self) -> MegatronMappingRegistry:
         # V4 rows first: lookups are first-match-wins, and the generic DeepSeek list gives some of the same native

@@ -1,6 +1,6 @@
 """Coverage of a checkpoint (dir) or manifest by :data:`impl.conversion.mapping.MAPPING_TABLE`.
 
-Per tensor: the native name and semantics it maps to. Totals: mapped, declared-not-loaded (``.scale``
+Per tensor: the native name (in the Miles or the upstream Megatron-Core layout) and semantics it maps to. Totals: mapped, declared-not-loaded (``.scale``
 companions consumed by dequantization of their ``.weight``), unmapped (no row), missing (a row's partner or a
 family member the present names imply: gated ``w1`` without ``w3``, an expert weight absent in one layer...).
 """
@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from impl.conversion.mapping import expected_official_names, lookup_native, lookup_official, scale_base
+from impl.conversion.mapping import (
+    expected_official_names,
+    fill,
+    lookup_native,
+    lookup_official,
+    native_layout,
+    normalize,
+    scale_base,
+)
 from impl.errors import CorruptCheckpointError
 
 __all__ = ["CoverageEntry", "CoverageReport", "coverage_report"]
@@ -31,6 +39,7 @@ class CoverageEntry(NamedTuple):
 class CoverageReport:
     entries: list[CoverageEntry] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    layout: str = "miles"  # the native layout the ``native`` column names (impl.conversion.mapping.NATIVE_LAYOUTS)
 
     def _count(self, status: str) -> int:
         return sum(1 for e in self.entries if e.status == status)
@@ -52,7 +61,7 @@ class CoverageReport:
         """A printable table: one line per tensor (first ``limit``), then missing names and totals."""
         rows = self.entries if limit is None else self.entries[:limit]
         w = max((len(e.official) for e in rows), default=8)
-        lines = [f"{'official':<{w}}  {'status':<8}  {'semantics':<16}  native / reason"]
+        lines = [f"{'official':<{w}}  {'status':<8}  {'semantics':<16}  native ({self.layout}) / reason"]
         for e in rows:
             lines.append(f"{e.official:<{w}}  {e.status:<8}  {e.semantics or '-':<16}  {e.native or e.reason}")
         if limit is not None and len(self.entries) > limit:
@@ -106,9 +115,12 @@ def _implied_missing(names: set[str]) -> list[str]:
 
 
 def coverage_report(
-    names_or_manifest: Iterable[Any] | Mapping[str, Any] | str | Path, *, config: Any = None
+    names_or_manifest: Iterable[Any] | Mapping[str, Any] | str | Path, *, config: Any = None, layout: str = "miles"
 ) -> CoverageReport:
     """Map every tensor name of a checkpoint dir / manifest / name list through the table.
+
+    ``layout`` picks the native naming reported: ``"miles"`` (the graph :mod:`impl.native` builds) or
+    ``"upstream"`` (upstream Megatron-Core's ``dsv4_hybrid``, Megatron-Bridge's DeepSeekV4Bridge names).
 
     With ``config`` (V4Config, transformers config or ``config.json`` dict; read from the dir's ``config.json``
     when given a dir), "missing" is exact: every name :func:`impl.conversion.mapping.expected_official_names` implies.
@@ -121,11 +133,15 @@ def coverage_report(
             import json
 
             config = json.loads(cfg_file.read_text())
-    report = CoverageReport()
+    resolve = native_layout(layout).lookup_official
+    report = CoverageReport(layout=layout)
     for n in names:
-        hit = lookup_official(n)
+        hit = resolve(n)
         if hit is not None:
             _, row, native, _ = hit
+            parts = row.layout_names(layout)
+            if len(parts) > 1:  # one official tensor split over several parameters (upstream hyper-connection alphas)
+                native = " + ".join(fill(p, normalize(n)[1]) for p in parts)
             report.entries.append(CoverageEntry(n, "mapped", native, row.semantics, row.group))
             continue
         base = scale_base(n)

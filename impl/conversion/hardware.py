@@ -3,7 +3,8 @@
 
 Fused mHC and fused DSA kernels exist only for Blackwell (CUDA capability major >= 10). Without
 CUDA the answer is False (0.5.0 returned True there, which made CPU and H100 runs pick kernels they
-cannot execute).
+cannot execute). The DSA kernels also need their packages (cuDNN's ``DSA``, FlashMLA's sparse forward): a
+Blackwell host without them must not default to kernels it cannot import (#4445 checks the same imports).
 """
 
 from __future__ import annotations
@@ -27,9 +28,23 @@ def deepseek_v4_supports_blackwell_fused_kernels() -> bool:
     return major is not None and major >= BLACKWELL_MAJOR
 
 
+#: (module, attribute) the fused DSA path imports.
+DSA_KERNEL_IMPORTS: tuple[tuple[str, str], ...] = (("cudnn", "DSA"), ("flash_mla", "flash_mla_sparse_fwd"))
+
+
+def _dsa_kernels_importable() -> bool:
+    for module, name in DSA_KERNEL_IMPORTS:
+        try:
+            if not hasattr(__import__(module, fromlist=[name]), name):
+                return False
+        except ImportError:
+            return False
+    return True
+
+
 def deepseek_v4_supports_fused_dsa_kernels() -> bool:
-    """The DSA (indexer/sparse attention) fused kernels follow the same gate."""
-    return deepseek_v4_supports_blackwell_fused_kernels()
+    """The DSA (indexer/sparse attention) fused kernels: the Blackwell gate, and their packages importable."""
+    return deepseek_v4_supports_blackwell_fused_kernels() and _dsa_kernels_importable()
 
 
 @dataclass(frozen=True)

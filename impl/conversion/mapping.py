@@ -1,85 +1,42 @@
-"""THE checkpoint-name table: official DeepSeek-V4 on-disk names <-> native ("Miles-native") Megatron names.
+"""Name resolution over :data:`impl.conversion.mapping_table.MAPPING_TABLE`, in both native layouts.
 
-One row per tensor family. ``*`` stands for one whole dotted segment of digits (a layer, MTP or
-expert index), as in Megatron-Bridge. Gated rows map one native tensor to two official tensors
-(gate = ``w1``, up = ``w3``; native ``linear_fc1 = cat(w1, w3)``). Official expert indices are
-global; the native name carries the *local* expert index (the bridge renumbers, EP rank ``r`` holds
-global experts ``r*E/ep .. (r+1)*E/ep-1``). MTP rows are generated from the per-layer template
-(``mtp.K.<suffix>`` <-> ``mtp.layers.K.mtp_model_layer.<suffix>``, sliding-only, score-routed).
-
-Semantics (the Megatron-Bridge mapping class built for the row, see :data:`SEMANTICS`):
-
-============================  ===========================  =================================================
-semantics                     Megatron-Bridge class        meaning
-============================  ===========================  =================================================
-``replicated``                ``ReplicatedMapping``        whole tensor on every TP rank
-``column``                    ``ColumnParallelMapping``    split on dim 0 over TP (heads / o-groups / sink)
-``row``                       ``RowParallelMapping``       split on dim 1 over TP
-``vocab``                     ``ColumnParallelMapping``    vocab rows split over TP (padded to the shard)
-``auto``                      ``AutoMapping``              parallelism read from the native module class
-``gated_mlp``                 ``GatedMLPMapping``          native ``[w1; w3]``, gate/up split per TP shard
-``replicated_gated_mlp``      ``GatedMLPMapping``          native ``[w1; w3]`` on every TP rank (TP group unset)
-``expert_gated_mlp``          ``GatedMLPMapping``          as above, per expert, EP-gathered on export
-``expert_row``                ``RowParallelMapping``       ``w2`` per expert (expert-TP), EP-gathered
-============================  ===========================  =================================================
-
-Rows (``layers.*.`` <-> ``decoder.layers.*.``; ``mtp`` = also generated for the MTP layer):
-
-======================================  ===============================================  ==========  ================  ===
-official                                native                                           semantics   group             mtp
-======================================  ===============================================  ==========  ================  ===
-``embed.weight``                        ``embedding.word_embeddings.weight``             vocab       embedding
-``head.weight``                         ``output_layer.weight``                          vocab       embedding
-``norm.weight``                         ``decoder.final_layernorm.weight``               replicated  norm
-``hc_head_{fn,base,scale}``             ``decoder.hc_head_params.hc_head_{...}``         replicated  hyper_connection
-``layers.*.attn_norm.weight``           ``...input_layernorm.weight``                    replicated  norm              yes
-``layers.*.ffn_norm.weight``            ``...pre_mlp_layernorm.weight``                  replicated  norm              yes
-``layers.*.hc_{attn,ffn}_{fn,base,scale}``  ``...hc_{attn,ffn}_{fn,base,scale}``         replicated  hyper_connection  yes
-``layers.*.attn.attn_sink``             ``...self_attention.attn_sink``                  column      attention_sink    yes
-``layers.*.attn.wq_a.weight``           ``...self_attention.wq_a.weight``                replicated  attention         yes
-``layers.*.attn.q_norm.weight``         ``...self_attention.q_norm.weight``              replicated  norm              yes
-``layers.*.attn.wq_b.weight``           ``...self_attention.wq_b.weight``                column      attention         yes
-``layers.*.attn.wkv.weight``            ``...self_attention.wkv.weight``                 replicated  attention         yes
-``layers.*.attn.kv_norm.weight``        ``...self_attention.kv_norm.weight``             replicated  norm              yes
-``layers.*.attn.wo_a.weight``           ``...self_attention.wo_a.weight``                column      attention         yes
-``layers.*.attn.wo_b.weight``           ``...self_attention.wo_b.weight``                row         attention         yes
-``layers.*.attn.compressor.{ape,wkv.weight,wgate.weight,norm.weight}``  ``...self_attention.compressor.{...}``  replicated  compressor
-``layers.*.attn.indexer.wq_b.weight``   ``...self_attention.indexer.linear_wq_b.weight``  replicated  indexer
-``layers.*.attn.indexer.weights_proj.weight``  ``...indexer.linear_weights_proj.weight``  replicated  indexer
-``layers.*.attn.indexer.compressor.{...}``  ``...self_attention.indexer.compressor.{...}``  replicated  indexer
-``layers.*.ffn.gate.weight``            ``...mlp.router.weight``                         replicated  routing           yes
-``layers.*.ffn.gate.bias``              ``...mlp.router.expert_bias``                    replicated  routing           yes
-``layers.*.ffn.gate.tid2eid``           ``...mlp.router.tid2eid`` (int64 buffer)         replicated  routing
-``layers.*.ffn.experts.*.{w1,w3}.weight``  ``...mlp.experts.local_experts.*.linear_fc1.weight``  expert_gated_mlp  expert  yes
-``layers.*.ffn.experts.*.w2.weight``    ``...mlp.experts.local_experts.*.linear_fc2.weight``  expert_row  expert     yes
-``layers.*.ffn.shared_experts.{w1,w3}.weight``  ``...mlp.shared_experts.linear_fc1.weight``  replicated_gated_mlp  shared_expert  yes
-``layers.*.ffn.shared_experts.w2.weight``  ``...mlp.shared_experts.linear_fc2.weight``  replicated  shared_expert     yes
-``mtp.*.{enorm,hnorm}.weight``          ``mtp.layers.*.{enorm,hnorm}.weight``            replicated  mtp
-``mtp.*.norm.weight``                   ``mtp.layers.*.final_layernorm.weight``          replicated  mtp
-``mtp.*.{e_proj,h_proj}.weight``        ``mtp.layers.*.{e_proj,h_proj}.weight``          replicated  mtp
-``mtp.*.hc_head_{fn,base,scale}``       ``mtp.layers.*.hc_head_params.hc_head_{...}``    replicated  mtp
-======================================  ===============================================  ==========  ================  ===
+One generated lookup per direction and layout: official <-> Miles (:func:`lookup_official`,
+:func:`lookup_native`, the graph :mod:`impl.native` builds) and official <-> upstream Megatron-Core ``dsv4_hybrid``
+(:func:`lookup_official_upstream`, :func:`lookup_upstream`, the names Megatron-Bridge's DeepSeekV4Bridge maps onto).
+:data:`NATIVE_LAYOUTS` names the pairs. The table itself (rows, semantics, groups) lives in
+:mod:`impl.conversion.mapping_table` and is re-exported here.
 
 Name resolution is a dict lookup on a normalized key (every all-digit segment -> ``*``), so it is
 exactly-once by construction: the table refuses duplicate patterns, literal digit segments and
-``*`` inside a segment, which are the only ways two rows could claim one name.
+``*`` inside a segment, which are the only ways two rows could claim one name. The one exception is the upstream
+grouped-expert weight (``linear_fc1.weight<E>``), checked pattern against pattern at import.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
-from impl.errors import Dsv4Error
+from impl.conversion.mapping_table import (
+    GATED_ROLES,
+    GROUPS,
+    MAPPING_TABLE,
+    SEMANTICS,
+    MappingRow,
+    MappingTableError,
+    expected_official_names,
+)
+from impl.errors import UnsupportedConfigError
 
 __all__ = [
     "GROUPS",
     "MAPPING_TABLE",
+    "NATIVE_LAYOUTS",
     "SEMANTICS",
     "MappingRow",
     "MappingTableError",
+    "NativeLayout",
     "NativeMatch",
     "OfficialMatch",
     "check_mapping_table",
@@ -87,203 +44,12 @@ __all__ = [
     "fill",
     "lookup_native",
     "lookup_official",
+    "lookup_official_upstream",
+    "lookup_upstream",
+    "native_layout",
     "normalize",
     "scale_base",
 ]
-
-SEMANTICS = (
-    "replicated",
-    "column",
-    "row",
-    "vocab",
-    "auto",
-    "gated_mlp",
-    "replicated_gated_mlp",
-    "expert_gated_mlp",
-    "expert_row",
-)
-GROUPS = (
-    "embedding",
-    "norm",
-    "attention",
-    "attention_sink",
-    "hyper_connection",
-    "compressor",
-    "indexer",
-    "routing",
-    "expert",
-    "shared_expert",
-    "mtp",
-)
-GATED_ROLES = ("gate", "up")
-
-
-class MappingTableError(Dsv4Error, ValueError):
-    """The table itself is malformed (duplicate / ambiguous pattern, bad semantics or group)."""
-
-
-@dataclass(frozen=True)
-class MappingRow:
-    """One tensor family: official pattern(s), native pattern, parallel semantics, group."""
-
-    official: str | tuple[str, str]  # a (gate, up) pair for gated rows
-    native: str
-    semantics: str
-    group: str
-    note: str = ""
-
-    @property
-    def official_names(self) -> tuple[str, ...]:
-        return self.official if isinstance(self.official, tuple) else (self.official,)
-
-    @property
-    def is_gated(self) -> bool:
-        return isinstance(self.official, tuple)
-
-    @property
-    def is_mtp(self) -> bool:
-        return self.native.startswith("mtp.")
-
-    @property
-    def is_expert(self) -> bool:
-        return self.semantics.startswith("expert_")
-
-    def hf_param(self) -> str | dict[str, str]:
-        """The Megatron-Bridge ``hf_param`` argument: a name, or ``{"gate": .., "up": ..}``."""
-        return dict(zip(GATED_ROLES, self.official, strict=True)) if self.is_gated else self.official
-
-
-# (official suffix | (gate, up), native suffix, semantics, group, in MTP layer, note)
-_LAYER_TEMPLATE: tuple[tuple[Any, str, str, str, bool, str], ...] = (
-    ("attn_norm.weight", "input_layernorm.weight", "replicated", "norm", True, ""),
-    ("ffn_norm.weight", "pre_mlp_layernorm.weight", "replicated", "norm", True, ""),
-    *(
-        (f"hc_{site}_{p}", f"hc_{site}_{p}", "replicated", "hyper_connection", True, "fp32")
-        for site in ("attn", "ffn")
-        for p in ("fn", "base", "scale")
-    ),
-    ("attn.attn_sink", "self_attention.attn_sink", "column", "attention_sink", True, "fp32, one per head"),
-    ("attn.wq_a.weight", "self_attention.wq_a.weight", "replicated", "attention", True, ""),
-    ("attn.q_norm.weight", "self_attention.q_norm.weight", "replicated", "norm", True, ""),
-    ("attn.wq_b.weight", "self_attention.wq_b.weight", "column", "attention", True, "split by heads"),
-    ("attn.wkv.weight", "self_attention.wkv.weight", "replicated", "attention", True, ""),
-    ("attn.kv_norm.weight", "self_attention.kv_norm.weight", "replicated", "norm", True, ""),
-    ("attn.wo_a.weight", "self_attention.wo_a.weight", "column", "attention", True, "split by output groups"),
-    ("attn.wo_b.weight", "self_attention.wo_b.weight", "row", "attention", True, ""),
-    *(
-        (f"attn.compressor.{p}", f"self_attention.compressor.{p}", "replicated", "compressor", False, "ratio > 0")
-        for p in ("ape", "wkv.weight", "wgate.weight", "norm.weight")
-    ),
-    (
-        "attn.indexer.wq_b.weight",
-        "self_attention.indexer.linear_wq_b.weight",
-        "replicated",
-        "indexer",
-        False,
-        "ratio 4",
-    ),
-    (
-        "attn.indexer.weights_proj.weight",
-        "self_attention.indexer.linear_weights_proj.weight",
-        "replicated",
-        "indexer",
-        False,
-        "ratio 4",
-    ),
-    *(
-        (
-            f"attn.indexer.compressor.{p}",
-            f"self_attention.indexer.compressor.{p}",
-            "replicated",
-            "indexer",
-            False,
-            "ratio 4",
-        )
-        for p in ("ape", "wkv.weight", "wgate.weight", "norm.weight")
-    ),
-    ("ffn.gate.weight", "mlp.router.weight", "replicated", "routing", True, ""),
-    ("ffn.gate.bias", "mlp.router.expert_bias", "replicated", "routing", True, "fp32, score-routed layers"),
-    ("ffn.gate.tid2eid", "mlp.router.tid2eid", "replicated", "routing", False, "int64 buffer, hash layers"),
-    (
-        ("ffn.experts.*.w1.weight", "ffn.experts.*.w3.weight"),
-        "mlp.experts.local_experts.*.linear_fc1.weight",
-        "expert_gated_mlp",
-        "expert",
-        True,
-        "global expert index in the official name, local in the native one",
-    ),
-    (
-        "ffn.experts.*.w2.weight",
-        "mlp.experts.local_experts.*.linear_fc2.weight",
-        "expert_row",
-        "expert",
-        True,
-        "global expert index in the official name, local in the native one",
-    ),
-    (
-        ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
-        "mlp.shared_experts.linear_fc1.weight",
-        "replicated_gated_mlp",
-        "shared_expert",
-        True,
-        "replicated over TP (impl.native.moe)",
-    ),
-    (
-        "ffn.shared_experts.w2.weight",
-        "mlp.shared_experts.linear_fc2.weight",
-        "replicated",
-        "shared_expert",
-        True,
-        "replicated over TP (impl.native.moe)",
-    ),
-)
-
-
-def _prefixed(prefix: str, official: Any) -> str | tuple[str, str]:
-    if isinstance(official, tuple):
-        return (prefix + official[0], prefix + official[1])
-    return prefix + official
-
-
-def _build_table() -> tuple[MappingRow, ...]:
-    rows: list[MappingRow] = [
-        MappingRow("embed.weight", "embedding.word_embeddings.weight", "vocab", "embedding"),
-        MappingRow("head.weight", "output_layer.weight", "vocab", "embedding"),
-        MappingRow("norm.weight", "decoder.final_layernorm.weight", "replicated", "norm"),
-        *(
-            MappingRow(f"hc_head_{p}", f"decoder.hc_head_params.hc_head_{p}", "replicated", "hyper_connection", "fp32")
-            for p in ("fn", "base", "scale")
-        ),
-    ]
-    for off, nat, sem, grp, _in_mtp, note in _LAYER_TEMPLATE:
-        rows.append(MappingRow(_prefixed("layers.*.", off), f"decoder.layers.*.{nat}", sem, grp, note))
-    # MTP: generated from the same template, so a per-layer fix reaches the MTP layer too.
-    for off, nat, sem, grp, in_mtp, note in _LAYER_TEMPLATE:
-        if in_mtp:
-            rows.append(
-                MappingRow(
-                    _prefixed("mtp.*.", off),
-                    f"mtp.layers.*.mtp_model_layer.{nat}",
-                    sem,
-                    grp,
-                    f"MTP copy of layers.*.{off if isinstance(off, str) else off[0]}" + (f"; {note}" if note else ""),
-                )
-            )
-    rows += [
-        MappingRow("mtp.*.enorm.weight", "mtp.layers.*.enorm.weight", "replicated", "mtp"),
-        MappingRow("mtp.*.hnorm.weight", "mtp.layers.*.hnorm.weight", "replicated", "mtp"),
-        MappingRow("mtp.*.norm.weight", "mtp.layers.*.final_layernorm.weight", "replicated", "mtp"),
-        MappingRow("mtp.*.e_proj.weight", "mtp.layers.*.e_proj.weight", "replicated", "mtp"),
-        MappingRow("mtp.*.h_proj.weight", "mtp.layers.*.h_proj.weight", "replicated", "mtp"),
-        *(
-            MappingRow(f"mtp.*.hc_head_{p}", f"mtp.layers.*.hc_head_params.hc_head_{p}", "replicated", "mtp", "fp32")
-            for p in ("fn", "base", "scale")
-        ),
-    ]
-    return tuple(rows)
-
-
-MAPPING_TABLE: tuple[MappingRow, ...] = _build_table()
 
 # --------------------------------------------------------------------------------------------------
 # exactly-once resolution
@@ -311,13 +77,18 @@ def fill(pattern: str, captures: Iterable[str | int]) -> str:
     return _template(pattern).format(*caps)
 
 
-def _check_pattern(pattern: str, row: MappingRow) -> None:
-    for seg in pattern.split("."):
+# Upstream grouped experts number their weights inside the last segment (TEGroupedLinear ``weight0..weightE-1``);
+# the only place a ``*`` may share a segment, and only in the upstream layout.
+GROUPED_WEIGHT = "weight*"
+
+
+def _check_pattern(pattern: str, row: MappingRow, *, grouped_ok: bool = False) -> None:
+    segs = pattern.split(".")
+    for i, seg in enumerate(segs):
         if seg.isdigit():
             raise MappingTableError(f"literal index segment {seg!r} in {pattern!r} ({row}); use '*'")
-        if "*" in seg and seg != "*":
+        if "*" in seg and seg != "*" and not (grouped_ok and seg == GROUPED_WEIGHT and i == len(segs) - 1):
             raise MappingTableError(f"'*' must be a whole segment in {pattern!r} ({row})")
-    segs = pattern.split(".")
     if "*" in (segs[0], segs[-1]):
         raise MappingTableError(f"'*' must be an inner segment in {pattern!r} ({row})")
 
@@ -328,7 +99,8 @@ class _Entry(NamedTuple):
     target: tuple[str, ...]  # the other side's pattern(s) as str.format templates
 
 
-def _build_index(table: Iterable[MappingRow]) -> tuple[dict[str, _Entry], dict[str, _Entry]]:
+def _build_index(table: Iterable[MappingRow], layout: str = "miles") -> tuple[dict[str, _Entry], dict[str, _Entry]]:
+    """(official pattern -> entry, native pattern -> entry) for one native layout ("miles" or "upstream")."""
     official: dict[str, _Entry] = {}
     native: dict[str, _Entry] = {}
     for row in table:
@@ -338,20 +110,29 @@ def _build_index(table: Iterable[MappingRow]) -> tuple[dict[str, _Entry], dict[s
             raise MappingTableError(f"unknown group {row.group!r} in {row}")
         if row.is_gated != row.semantics.endswith("gated_mlp"):
             raise MappingTableError(f"gated semantics needs exactly a (gate, up) pair: {row}")
-        _check_pattern(row.native, row)
-        wildcards = row.native.count("*")
-        if row.native in native:
-            raise MappingTableError(f"duplicate native pattern {row.native!r}: {native[row.native].row} and {row}")
-        native[row.native] = _Entry(row, None, tuple(_template(o) for o in row.official_names))
+        natives = row.layout_names(layout)
+        if row.is_gated and len(natives) != 1:
+            raise MappingTableError(f"a gated row cannot also split its native tensor: {row}")
+        wildcards = natives[0].count("*")
+        for pattern in natives:
+            _check_pattern(pattern, row, grouped_ok=layout == "upstream")
+            if pattern.count("*") != wildcards:
+                raise MappingTableError(f"wildcard count differs between {pattern!r} and {natives[0]!r}")
+            if pattern in native:
+                raise MappingTableError(f"duplicate native pattern {pattern!r}: {native[pattern].row} and {row}")
+            native[pattern] = _Entry(row, None, tuple(_template(o) for o in row.official_names))
         roles: tuple[str | None, ...] = GATED_ROLES if row.is_gated else (None,)
         for role, name in zip(roles, row.official_names, strict=True):
             _check_pattern(name, row)
             if name.count("*") != wildcards:
-                raise MappingTableError(f"wildcard count differs between {name!r} and {row.native!r}")
+                raise MappingTableError(f"wildcard count differs between {name!r} and {natives[0]!r}")
             if name in official:
                 raise MappingTableError(f"duplicate official pattern {name!r}: {official[name].row} and {row}")
-            official[name] = _Entry(row, role, (_template(row.native),))
+            official[name] = _Entry(row, role, tuple(_template(n) for n in natives))
     return official, native
+
+
+_OFFICIAL_INDEX, _NATIVE_INDEX = _build_index(MAPPING_TABLE)
 
 
 def check_mapping_table(table: Iterable[MappingRow]) -> None:
@@ -359,9 +140,7 @@ def check_mapping_table(table: Iterable[MappingRow]) -> None:
     ``table`` (no duplicate pattern, no literal index segment, ``*`` only as a whole inner segment) and every row's
     semantics, group and wildcards agree. The module's own table passes this check at import."""
     _build_index(table)
-
-
-_OFFICIAL_INDEX, _NATIVE_INDEX = _build_index(MAPPING_TABLE)
+    _build_index(table, "upstream")
 
 
 # Results are plain tuples, unpacked by callers (``official, row, native, role = hit``): a tuple comes from the
@@ -497,85 +276,90 @@ lookup_native, _NATIVE_TIERS = _compile_lookup(
 )
 
 
-def _check_compiled() -> None:
-    """Every pattern, instantiated, resolves through the regexes exactly as through normalize + dict lookup, and
-    matches in exactly one tier."""
-    for index, lookup, tiers in (
-        (_OFFICIAL_INDEX, lookup_official, _OFFICIAL_TIERS),
-        (_NATIVE_INDEX, lookup_native, _NATIVE_TIERS),
-    ):
-        for pattern, entry in index.items():
-            caps = [str(7 + 10 * i) for i in range(pattern.count("*"))]
-            name = fill(pattern, caps)
-            if sum(tier.fullmatch(name) is not None for tier in tiers) != 1:
-                raise MappingTableError(f"{name!r} does not match exactly one tier of the compiled resolver")
-            key, got_caps = normalize(name)
-            hit = lookup(name)
-            other = tuple(t.format(*got_caps) for t in entry.target)
-            want = (name, entry.row, other[0], entry.role) if lookup is lookup_official else (name, entry.row, other)
-            if key != pattern or hit != want or type(hit) is not tuple:
-                raise MappingTableError(f"compiled resolver disagrees on {name!r}: {hit} != {want}")
+lookup_official_upstream: Callable[[str], OfficialMatch | None]
+lookup_upstream: Callable[[str], NativeMatch | None]
+_UP_OFFICIAL_INDEX, _UPSTREAM_INDEX = _build_index(MAPPING_TABLE, "upstream")
+lookup_official_upstream, _UP_OFFICIAL_TIERS = _compile_lookup(
+    "lookup_official_upstream",
+    _UP_OFFICIAL_INDEX,
+    many=False,
+    doc="Resolve an official checkpoint name to ``(official, row, upstream, role)`` in the upstream Megatron-Core "
+    "layout; a row split upstream (the three hyper-connection alphas) answers its first part, as Megatron-Bridge "
+    "does (``row.upstream_names`` lists all). None if no row claims it.",
+)
+lookup_upstream, _UPSTREAM_TIERS = _compile_lookup(
+    "lookup_upstream",
+    _UPSTREAM_INDEX,
+    many=True,
+    doc="Resolve an upstream Megatron-Core (global-index) parameter name to ``(upstream, row, official)``; None if no "
+    "row claims it.",
+)
 
 
-_check_compiled()
+def _check_compiled(index: Mapping[str, _Entry], lookup: Callable[[str], Any], tiers: tuple[_Tier, ...]) -> None:
+    """Every pattern, instantiated, resolves through the generated lookup to exactly its own entry, matches in
+    exactly one tier, and no other pattern of the index claims it (for the Miles layout: normalize + dict lookup,
+    the documented relation; the upstream layout's ``weight*`` is outside it, so every pattern is tried)."""
+    many = lookup in (lookup_native, lookup_upstream)
+    by_key = index is _NATIVE_INDEX or index is _OFFICIAL_INDEX
+    rx = {} if by_key else {p: re.compile(re.escape(p).replace(r"\*", "([0-9]+)")) for p in index}
+    for pattern, entry in index.items():
+        caps = [str(7 + 10 * i) for i in range(pattern.count("*"))]
+        name = fill(pattern, caps)
+        if sum(tier.fullmatch(name) is not None for tier in tiers) != 1:
+            raise MappingTableError(f"{name!r} does not match exactly one tier of the compiled resolver")
+        claimed = [normalize(name)[0]] if by_key else [p for p, r in rx.items() if r.fullmatch(name)]
+        hit = lookup(name)
+        other = tuple(t.format(*caps) for t in entry.target)
+        want = (name, entry.row, other) if many else (name, entry.row, other[0], entry.role)
+        if claimed != [pattern] or hit != want or type(hit) is not tuple:
+            raise MappingTableError(f"compiled resolver disagrees on {name!r}: {hit} != {want} (claimed by {claimed})")
+
+
+for _args in (
+    (_OFFICIAL_INDEX, lookup_official, _OFFICIAL_TIERS),
+    (_NATIVE_INDEX, lookup_native, _NATIVE_TIERS),
+    (_UP_OFFICIAL_INDEX, lookup_official_upstream, _UP_OFFICIAL_TIERS),
+    (_UPSTREAM_INDEX, lookup_upstream, _UPSTREAM_TIERS),
+):
+    _check_compiled(*_args)
+del _args
+
+
+class NativeLayout(NamedTuple):
+    """One native (Megatron) naming of the table: its two generated lookups."""
+
+    name: str
+    lookup_official: Callable[[str], OfficialMatch | None]  # official -> this layout
+    lookup_native: Callable[[str], NativeMatch | None]  # this layout -> official
+    description: str
+
+
+#: The native layouts one table serves: the Miles graph this implementation builds (``impl.native``) and upstream
+#: Megatron-Core's ``dsv4_hybrid`` graph, the names Megatron-Bridge's DeepSeekV4Bridge maps onto.
+NATIVE_LAYOUTS: dict[str, NativeLayout] = {
+    "miles": NativeLayout(
+        "miles", lookup_official, lookup_native, "Miles native graph (impl.native): self_attention.wq_a, ..."
+    ),
+    "upstream": NativeLayout(
+        "upstream",
+        lookup_official_upstream,
+        lookup_upstream,
+        "upstream Megatron-Core dsv4_hybrid (Megatron-Bridge DeepSeekV4Bridge): self_attention.linear_q_down_proj, ...",
+    ),
+}
+
+
+def native_layout(name: str) -> NativeLayout:
+    """The layout called ``name``; :class:`UnsupportedConfigError` naming the choices otherwise."""
+    try:
+        return NATIVE_LAYOUTS[name]
+    except (KeyError, TypeError):
+        raise UnsupportedConfigError(
+            f"unknown native layout {name!r}; choose one of {sorted(NATIVE_LAYOUTS)}"
+        ) from None
 
 
 def scale_base(name: str) -> str | None:
     """``X.scale`` -> ``X.weight`` (the block-scale companion's weight), else None."""
     return name[: -len(".scale")] + ".weight" if name.endswith(".scale") else None
-
-
-# --------------------------------------------------------------------------------------------------
-# the official manifest a configuration implies (what coverage calls "expected")
-
-
-def _cfg(config: Any) -> Any:
-    """Accept a native ``V4Config``, a transformers config or a ``config.json`` dict."""
-    if hasattr(config, "compress_ratios") and hasattr(config, "num_hash_layers"):
-        return config
-    from impl.native.config import V4Config
-
-    if isinstance(config, Mapping):
-        from transformers import DeepseekV4Config
-
-        config = DeepseekV4Config(**dict(config))
-    return V4Config.from_hf(config)
-
-
-def _layer_names(prefix: str, ratio: int, hash_layer: bool, n_experts: int, in_mtp: bool) -> Iterator[str]:
-    for off, _nat, _sem, grp, mtp_ok, _note in _LAYER_TEMPLATE:
-        if in_mtp and not mtp_ok:
-            continue
-        first = off if isinstance(off, str) else off[0]
-        if grp == "compressor" and ratio == 0:
-            continue
-        if grp == "indexer" and ratio != 4:
-            continue
-        if first == "ffn.gate.tid2eid" and not hash_layer:
-            continue
-        if first == "ffn.gate.bias" and hash_layer:
-            continue
-        names = off if isinstance(off, tuple) else (off,)
-        if grp == "expert":
-            templates = [prefix + _template(n) for n in names]
-            for e in range(n_experts):
-                yield from (t.format(e) for t in templates)
-        else:
-            yield from (prefix + n for n in names)
-
-
-def expected_official_names(config: Any, *, with_mtp: bool = True) -> list[str]:
-    """Every official (non-scale) tensor name a checkpoint of this configuration holds, in table order."""
-    cfg = _cfg(config)
-    names = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"]
-    for i in range(cfg.num_layers):
-        names += _layer_names(
-            f"layers.{i}.", cfg.compress_ratios[i], cfg.is_hash_layer(i), cfg.n_routed_experts, in_mtp=False
-        )
-    if with_mtp:
-        for k in range(cfg.num_mtp_layers):
-            p = f"mtp.{k}."
-            names += _layer_names(p, 0, False, cfg.n_routed_experts, in_mtp=True)
-            names += [p + s for s in ("enorm.weight", "hnorm.weight", "norm.weight", "e_proj.weight", "h_proj.weight")]
-            names += [f"{p}hc_head_{s}" for s in ("fn", "base", "scale")]
-    return names

@@ -16,12 +16,15 @@ The same resolved layout must drive load and export. A saved run configuration t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from impl.errors import PipelineLayoutError
 
 Layout = tuple[tuple[str, ...], ...]
 TOKENS = ("embedding", "decoder", "mtp", "loss")
+#: What a saved Megatron-Bridge run writes next to its checkpoint (in the run directory or in each ``iter_*``).
+RUN_CONFIG = "run_config.yaml"
 
 
 def generate_pipeline_layout(num_layers: int, stages: int, *, num_hash_layers: int = 0, mtp_layers: int = 0) -> Layout:
@@ -100,3 +103,53 @@ def stage_layer_numbers(layout: Layout, stage: int) -> range:
     """Global decoder-layer numbers owned by ``stage``."""
     start = sum(st.count("decoder") for st in layout[:stage])
     return range(start, start + layout[stage].count("decoder"))
+
+
+def _read_run_config(path: Path) -> Any:
+    """``path`` as YAML; a tag the safe loader does not know (``!!python/object:...``, how an unserializable layout
+    object may be written) becomes a mapping naming the tag instead of an error, so it reads as a stub."""
+    import yaml
+
+    class _StubLoader(yaml.SafeLoader):
+        pass
+
+    _StubLoader.add_multi_constructor("", lambda loader, suffix, node: {"_unresolved_tag_": node.tag})
+    try:
+        return yaml.load(path.read_text(), Loader=_StubLoader)  # a SafeLoader: builds no Python objects
+    except (OSError, yaml.YAMLError) as exc:
+        raise PipelineLayoutError(f"{path}: cannot read the saved run configuration ({exc})") from exc
+
+
+def saved_pipeline_layout(run_dir: str | Path) -> Any:
+    """``model.pipeline_model_parallel_layout`` as a saved run recorded it: the first concrete (list) layout in
+    ``run_dir/run_config.yaml`` or an ``iter_*/run_config.yaml`` (newest first); else whatever was recorded (None,
+    or the object stub a serializer left), which :func:`resolve_pipeline_layout` regenerates."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise PipelineLayoutError(f"{root}: no saved run directory to read {RUN_CONFIG} from")
+    candidates = [root, *sorted(root.glob("iter_*"), reverse=True)]
+    recorded: Any = None
+    for config_path in (c / RUN_CONFIG for c in candidates):
+        if not config_path.is_file():
+            continue
+        config = _read_run_config(config_path)
+        model = config.get("model") if isinstance(config, dict) else None
+        saved = model.get("pipeline_model_parallel_layout") if isinstance(model, dict) else None
+        if isinstance(saved, list):
+            return saved
+        recorded = recorded if saved is None else saved
+    return recorded
+
+
+def run_pipeline_layout(
+    run_dir: str | Path, *, num_layers: int, stages: int, num_hash_layers: int = 0, mtp_layers: int = 0
+) -> Layout:
+    """The layout to load (and export) a saved run with: its recorded layout, or, when ``run_config.yaml`` lost it
+    (an object stub, null, absent), the regenerated one (Megatron-Bridge #4306)."""
+    return resolve_pipeline_layout(
+        saved_pipeline_layout(run_dir),
+        num_layers=num_layers,
+        stages=stages,
+        num_hash_layers=num_hash_layers,
+        mtp_layers=mtp_layers,
+    )

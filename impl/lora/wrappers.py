@@ -229,23 +229,49 @@ class DeepseekV4LoRA(LoRA):
 
 
 def lora_able_module_names(chunk: nn.Module) -> list[str]:
-    """Full names (as Bridge's walk sees them) of the modules LoRA can wrap."""
+    """Full names (global layer numbers, as ``named_modules`` gives them) of the modules LoRA can wrap."""
     return [n for n, m in chunk.named_modules() if n and isinstance(m, _LORA_ABLE)]
 
 
-def _matches_anywhere(patterns: Sequence[str], names: Sequence[str]) -> list[bool]:
-    flags = [any(bridge_pattern_matches(p, n) for n in names) for p in patterns]
+def _bridge_walk_names(chunk: nn.Module) -> dict[int, str]:
+    """``id(module)`` -> the dotted name Megatron-Bridge's PEFT walk gives it: ``ModuleList`` children by position
+    (``walk_utils``), so on a later pipeline stage ``decoder.layers.2`` is ``decoder.layers.0`` there."""
+    out: dict[int, str] = {}
+
+    def visit(module: nn.Module, path: str) -> None:
+        out[id(module)] = path
+        children = enumerate(module) if isinstance(module, nn.ModuleList) else module.named_children()
+        for key, child in children:
+            visit(child, f"{path}.{key}" if path else str(key))
+
+    visit(chunk, "")
+    return out
+
+
+def _exact_walk_targets(chunk: nn.Module, meant: Sequence[str]) -> list[str]:
+    """Bridge refuses ``exclude_modules`` next to ``target_modules``, and its walk names a stage's layers 0, 1, ...
+    (not their global numbers): the exact walk names of the modules meant, as Bridge's target patterns."""
+    walk, modules = _bridge_walk_names(chunk), dict(chunk.named_modules())
+    return [re.escape(walk[id(modules[n])]) for n in meant]
+
+
+def _on_any_stage(flags: list[bool]) -> list[bool]:
+    """``flags`` OR-ed over the pipeline group (every stage runs the hook while building, so all agree)."""
     if (
         dist.is_initialized()
         and parallel_state.model_parallel_is_initialized()
         and parallel_state.get_pipeline_model_parallel_world_size() > 1
         and flags
     ):
-        # a target may live only on another pipeline stage (e.g. the indexer on ratio-4 layers)
         t = torch.tensor(flags, dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
         flags = [bool(v) for v in t.tolist()]
     return flags
+
+
+def _matches_anywhere(patterns: Sequence[str], names: Sequence[str]) -> list[bool]:
+    # a target may live only on another pipeline stage (e.g. the indexer on ratio-4 layers, or one layer's wq_b)
+    return _on_any_stage([any(bridge_pattern_matches(p, n) for n in names) for p in patterns])
 
 
 def _check(entries: Sequence[str], qualified: Sequence[str], names: Sequence[str], *, kind: str) -> None:
@@ -335,9 +361,7 @@ def make_lora_pre_wrap_hook(
                 and not any(bridge_pattern_matches(p, n) for p in q_exclude)
             ]
             wrapped.append(meant)
-            if q_exclude:
-                # Bridge refuses exclude_modules next to target_modules: hand it the exact survivors instead
-                lora.target_modules = [re.escape(n) for n in meant]
+            lora.target_modules = _exact_walk_targets(chunk, meant)
             if meant:
                 lora(chunk, training=True)
             else:
@@ -345,7 +369,7 @@ def make_lora_pre_wrap_hook(
             done = [n for n, m in chunk.named_modules() if isinstance(m, (AdapterWrapper, LinearAdapter))]
             if sorted(done) != sorted(meant):
                 raise TargetError(f"chunk {c}: LoRA wrapped {sorted(done)} but the targets select {sorted(meant)}")
-        if not any(wrapped):
+        if not _on_any_stage([any(wrapped)])[0]:  # a stage may hold none; the model as a whole may not
             raise TargetError(f"the exclusions {raw_exclude} remove every module selected by the targets {raw_targets}")
         lora.target_modules = list(q_targets)
         lora.set_params_to_save(chunks)

@@ -1,0 +1,47 @@
+"""Adapter tensors named in the upstream Megatron-Core layout, read through the mapping table.
+
+Megatron-Bridge's LoRA wraps a module ``M`` and names its tensors ``M.adapter.linear_in.weight`` (lora_A) and
+``M.adapter.linear_out.weight`` (lora_B). Users who trained on upstream Megatron-Core's ``dsv4_hybrid`` graph hold
+them under upstream module names (``decoder.layers.3.self_attention.linear_q_up_proj.adapter.linear_in.weight``);
+the exporter speaks Miles names (``...self_attention.wq_b.adapter...``). Both are rows of
+:data:`impl.conversion.mapping.MAPPING_TABLE`: the base weight ``M.weight`` resolves upstream -> official -> Miles,
+so no second name table exists. No megatron import (exporter ranks stay light).
+"""
+
+from __future__ import annotations
+
+from impl.conversion.mapping import lookup_official, lookup_upstream
+from impl.errors import ExportError
+
+__all__ = ["ADAPTER_HALVES", "UpstreamAdapterError", "miles_adapter_name"]
+
+#: Megatron-Bridge's two LoRA halves, as the suffix after ``<module>.adapter.``.
+ADAPTER_HALVES = ("linear_in.weight", "linear_out.weight")
+
+
+class UpstreamAdapterError(ExportError):
+    """An upstream-layout adapter name that no Megatron-Bridge LoRA can produce (named, with the reason)."""
+
+
+def miles_adapter_name(name: str) -> str | None:
+    """The Miles-layout name of an upstream-layout Megatron-Bridge LoRA tensor name; None when ``name`` is not one.
+
+    Raises :class:`UpstreamAdapterError` for an adapter on a name the upstream graph holds as a raw parameter
+    (``linear_o_group_proj``, the grouped ``wo_a``): Bridge's LoRA wraps modules, so no such adapter exists.
+    """
+    module, sep, half = name.rpartition(".adapter.")
+    if not sep or half not in ADAPTER_HALVES:
+        return None
+    hit = lookup_upstream(module + ".weight")
+    if hit is None:
+        if lookup_upstream(module) is not None:
+            raise UpstreamAdapterError(
+                f"adapter tensor {name!r}: upstream Megatron-Core holds {module.rpartition('.')[2]!r} as a raw "
+                "nn.Parameter, not a module, so Megatron-Bridge's LoRA cannot wrap it and no upstream adapter "
+                "targets it; train that target in the Miles layout (grouped wo_a) or drop these tensors"
+            )
+        return None
+    miles = lookup_official(hit[2][0])
+    if miles is None:  # every official name of the table resolves; kept for a table under construction
+        return None
+    return f"{miles[2].removesuffix('.weight')}.adapter.{half}"

@@ -1,0 +1,510 @@
+"""THE checkpoint-name table: official DeepSeek-V4 on-disk names <-> native Megatron names, in two layouts.
+
+One row per tensor family. ``*`` stands for one whole dotted segment of digits (a layer, MTP or
+expert index), as in Megatron-Bridge. Gated rows map one native tensor to two official tensors
+(gate = ``w1``, up = ``w3``; native ``linear_fc1 = cat(w1, w3)``). Official expert indices are
+global; the native name carries the *local* expert index (the bridge renumbers, EP rank ``r`` holds
+global experts ``r*E/ep .. (r+1)*E/ep-1``). MTP rows are generated from the per-layer template
+(``mtp.K.<suffix>`` <-> ``mtp.layers.K.mtp_model_layer.<suffix>``, sliding-only, score-routed).
+
+Semantics (the Megatron-Bridge mapping class built for the row, see :data:`SEMANTICS`):
+
+============================  ===========================  =================================================
+semantics                     Megatron-Bridge class        meaning
+============================  ===========================  =================================================
+``replicated``                ``ReplicatedMapping``        whole tensor on every TP rank
+``column``                    ``ColumnParallelMapping``    split on dim 0 over TP (heads / o-groups / sink)
+``row``                       ``RowParallelMapping``       split on dim 1 over TP
+``vocab``                     ``ColumnParallelMapping``    vocab rows split over TP (padded to the shard)
+``auto``                      ``AutoMapping``              parallelism read from the native module class
+``gated_mlp``                 ``GatedMLPMapping``          native ``[w1; w3]``, gate/up split per TP shard
+``replicated_gated_mlp``      ``GatedMLPMapping``          native ``[w1; w3]`` on every TP rank (TP group unset)
+``expert_gated_mlp``          ``GatedMLPMapping``          as above, per expert, EP-gathered on export
+``expert_row``                ``RowParallelMapping``       ``w2`` per expert (expert-TP), EP-gathered
+============================  ===========================  =================================================
+
+Rows (``layers.*.`` <-> ``decoder.layers.*.``; ``mtp`` = also generated for the MTP layer):
+
+======================================  ===============================================  ==========  ================  ===
+official                                native                                           semantics   group             mtp
+======================================  ===============================================  ==========  ================  ===
+``embed.weight``                        ``embedding.word_embeddings.weight``             vocab       embedding
+``head.weight``                         ``output_layer.weight``                          vocab       embedding
+``norm.weight``                         ``decoder.final_layernorm.weight``               replicated  norm
+``hc_head_{fn,base,scale}``             ``decoder.hc_head_params.hc_head_{...}``         replicated  hyper_connection
+``layers.*.attn_norm.weight``           ``...input_layernorm.weight``                    replicated  norm              yes
+``layers.*.ffn_norm.weight``            ``...pre_mlp_layernorm.weight``                  replicated  norm              yes
+``layers.*.hc_{attn,ffn}_{fn,base,scale}``  ``...hc_{attn,ffn}_{fn,base,scale}``         replicated  hyper_connection  yes
+``layers.*.attn.attn_sink``             ``...self_attention.attn_sink``                  column      attention_sink    yes
+``layers.*.attn.wq_a.weight``           ``...self_attention.wq_a.weight``                replicated  attention         yes
+``layers.*.attn.q_norm.weight``         ``...self_attention.q_norm.weight``              replicated  norm              yes
+``layers.*.attn.wq_b.weight``           ``...self_attention.wq_b.weight``                column      attention         yes
+``layers.*.attn.wkv.weight``            ``...self_attention.wkv.weight``                 replicated  attention         yes
+``layers.*.attn.kv_norm.weight``        ``...self_attention.kv_norm.weight``             replicated  norm              yes
+``layers.*.attn.wo_a.weight``           ``...self_attention.wo_a.weight``                column      attention         yes
+``layers.*.attn.wo_b.weight``           ``...self_attention.wo_b.weight``                row         attention         yes
+``layers.*.attn.compressor.{ape,wkv.weight,wgate.weight,norm.weight}``  ``...self_attention.compressor.{...}``  replicated  compressor
+``layers.*.attn.indexer.wq_b.weight``   ``...self_attention.indexer.linear_wq_b.weight``  replicated  indexer
+``layers.*.attn.indexer.weights_proj.weight``  ``...indexer.linear_weights_proj.weight``  replicated  indexer
+``layers.*.attn.indexer.compressor.{...}``  ``...self_attention.indexer.compressor.{...}``  replicated  indexer
+``layers.*.ffn.gate.weight``            ``...mlp.router.weight``                         replicated  routing           yes
+``layers.*.ffn.gate.bias``              ``...mlp.router.expert_bias``                    replicated  routing           yes
+``layers.*.ffn.gate.tid2eid``           ``...mlp.router.tid2eid`` (int64 buffer)         replicated  routing
+``layers.*.ffn.experts.*.{w1,w3}.weight``  ``...mlp.experts.local_experts.*.linear_fc1.weight``  expert_gated_mlp  expert  yes
+``layers.*.ffn.experts.*.w2.weight``    ``...mlp.experts.local_experts.*.linear_fc2.weight``  expert_row  expert     yes
+``layers.*.ffn.shared_experts.{w1,w3}.weight``  ``...mlp.shared_experts.linear_fc1.weight``  replicated_gated_mlp  shared_expert  yes
+``layers.*.ffn.shared_experts.w2.weight``  ``...mlp.shared_experts.linear_fc2.weight``  replicated  shared_expert     yes
+``mtp.*.{enorm,hnorm}.weight``          ``mtp.layers.*.{enorm,hnorm}.weight``            replicated  mtp
+``mtp.*.norm.weight``                   ``mtp.layers.*.final_layernorm.weight``          replicated  mtp
+``mtp.*.{e_proj,h_proj}.weight``        ``mtp.layers.*.{e_proj,h_proj}.weight``          replicated  mtp
+``mtp.*.hc_head_{fn,base,scale}``       ``mtp.layers.*.hc_head_params.hc_head_{...}``    replicated  mtp
+======================================  ===============================================  ==========  ================  ===
+
+Each row also carries its ``upstream`` name(s): upstream Megatron-Core's ``dsv4_hybrid`` graph, the layout
+Megatron-Bridge's ``DeepSeekV4Bridge`` maps onto (names only: the semantics column describes the Miles graph, the one
+this implementation builds). Where it differs from the Miles column:
+
+=====================================  =============================================================================
+Miles (``decoder.layers.*.``)          upstream (``decoder.layers.*.``)
+=====================================  =============================================================================
+``self_attention.{wq_a,wq_b,wkv}``     ``self_attention.{linear_q_down_proj,linear_q_up_proj,linear_kv_proj}``
+``self_attention.{q_norm,kv_norm}``    ``self_attention.{q_layernorm,kv_layernorm}``
+``self_attention.wo_a.weight``         ``self_attention.linear_o_group_proj`` (a raw ``nn.Parameter``: no LoRA)
+``self_attention.wo_b``                ``self_attention.linear_proj``
+``self_attention.attn_sink``           ``self_attention.core_attention.attn_sink``
+``self_attention.compressor.{wkv,..}`` ``self_attention.core_attention.compressor.{linear_wkv,linear_wgate,..}``
+``self_attention.indexer.*``           ``self_attention.core_attention.indexer.*`` (compressor linears as above)
+``hc_{attn,ffn}_{fn,base}``            ``{self_attention,mlp}_hyper_connection.{mapping_proj.weight,bias}``
+``hc_{attn,ffn}_scale``                ``..._hyper_connection.{alpha_pre,alpha_post,alpha_res}`` (one [3] tensor split)
+``mlp.experts.local_experts.*.fc1``    ``mlp.experts.linear_fc1.weight*`` (grouped GEMM, global expert index)
+``hc_head_params.hc_head_*``           ``hc_head_*`` (on ``decoder`` and on each MTP layer)
+=====================================  =============================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from impl.errors import Dsv4Error
+
+__all__ = [
+    "GATED_ROLES",
+    "GROUPS",
+    "MAPPING_TABLE",
+    "SEMANTICS",
+    "MappingRow",
+    "MappingTableError",
+    "expected_official_names",
+]
+
+SEMANTICS = (
+    "replicated",
+    "column",
+    "row",
+    "vocab",
+    "auto",
+    "gated_mlp",
+    "replicated_gated_mlp",
+    "expert_gated_mlp",
+    "expert_row",
+)
+GROUPS = (
+    "embedding",
+    "norm",
+    "attention",
+    "attention_sink",
+    "hyper_connection",
+    "compressor",
+    "indexer",
+    "routing",
+    "expert",
+    "shared_expert",
+    "mtp",
+)
+GATED_ROLES = ("gate", "up")
+
+
+class MappingTableError(Dsv4Error, ValueError):
+    """The table itself is malformed (duplicate / ambiguous pattern, bad semantics or group)."""
+
+
+@dataclass(frozen=True)
+class MappingRow:
+    """One tensor family: official pattern(s), native (Miles) pattern, upstream-Megatron pattern(s), parallel
+    semantics (of the Miles graph), group."""
+
+    official: str | tuple[str, str]  # a (gate, up) pair for gated rows
+    native: str
+    upstream: str | tuple[str, ...]  # a tuple: one official tensor split over several upstream parameters
+    semantics: str
+    group: str
+    note: str = ""
+
+    @property
+    def official_names(self) -> tuple[str, ...]:
+        return self.official if isinstance(self.official, tuple) else (self.official,)
+
+    @property
+    def upstream_names(self) -> tuple[str, ...]:
+        return self.upstream if isinstance(self.upstream, tuple) else (self.upstream,)
+
+    def layout_names(self, layout: str) -> tuple[str, ...]:
+        """This row's pattern(s) in the native layout ``layout`` ("miles" or "upstream")."""
+        return (self.native,) if layout == "miles" else self.upstream_names
+
+    @property
+    def is_gated(self) -> bool:
+        return isinstance(self.official, tuple)
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.native.startswith("mtp.")
+
+    @property
+    def is_expert(self) -> bool:
+        return self.semantics.startswith("expert_")
+
+    def hf_param(self) -> str | dict[str, str]:
+        """The Megatron-Bridge ``hf_param`` argument: a name, or ``{"gate": .., "up": ..}``."""
+        return dict(zip(GATED_ROLES, self.official, strict=True)) if self.is_gated else self.official
+
+
+# Upstream Megatron-Core names (the ``dsv4_hybrid`` layout Megatron-Bridge's DeepSeekV4Bridge maps onto) where they
+# differ from the Miles ones: attention projections get MLA names, CSA parts live under ``core_attention``,
+# hyper-connections are modules, routed experts are one grouped GEMM per layer (``weight<E>``, global E).
+_HC_MODULE = {"attn": "self_attention_hyper_connection", "ffn": "mlp_hyper_connection"}
+_HC_PARAM = {"fn": "mapping_proj.weight", "base": "bias", "scale": ("alpha_pre", "alpha_post", "alpha_res")}
+_CSA_PARAM = {
+    "ape": "ape",
+    "wkv.weight": "linear_wkv.weight",
+    "wgate.weight": "linear_wgate.weight",
+    "norm.weight": "norm.weight",
+}
+
+
+def _hc_upstream(site: str, p: str) -> str | tuple[str, ...]:
+    param = _HC_PARAM[p]
+    parts = param if isinstance(param, tuple) else (param,)
+    names = tuple(f"{_HC_MODULE[site]}.{x}" for x in parts)
+    return names if isinstance(param, tuple) else names[0]
+
+
+_CORE = "self_attention.core_attention"
+
+# (official suffix | (gate, up), native suffix, upstream suffix(es), semantics, group, in MTP layer, note)
+_LAYER_TEMPLATE: tuple[tuple[Any, str, Any, str, str, bool, str], ...] = (
+    ("attn_norm.weight", "input_layernorm.weight", "input_layernorm.weight", "replicated", "norm", True, ""),
+    ("ffn_norm.weight", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.weight", "replicated", "norm", True, ""),
+    *(
+        (f"hc_{site}_{p}", f"hc_{site}_{p}", _hc_upstream(site, p), "replicated", "hyper_connection", True, "fp32")
+        for site in ("attn", "ffn")
+        for p in ("fn", "base", "scale")
+    ),
+    (
+        "attn.attn_sink",
+        "self_attention.attn_sink",
+        f"{_CORE}.attn_sink",
+        "column",
+        "attention_sink",
+        True,
+        "fp32, one per head",
+    ),
+    (
+        "attn.wq_a.weight",
+        "self_attention.wq_a.weight",
+        "self_attention.linear_q_down_proj.weight",
+        "replicated",
+        "attention",
+        True,
+        "",
+    ),
+    (
+        "attn.q_norm.weight",
+        "self_attention.q_norm.weight",
+        "self_attention.q_layernorm.weight",
+        "replicated",
+        "norm",
+        True,
+        "",
+    ),
+    (
+        "attn.wq_b.weight",
+        "self_attention.wq_b.weight",
+        "self_attention.linear_q_up_proj.weight",
+        "column",
+        "attention",
+        True,
+        "split by heads",
+    ),
+    (
+        "attn.wkv.weight",
+        "self_attention.wkv.weight",
+        "self_attention.linear_kv_proj.weight",
+        "replicated",
+        "attention",
+        True,
+        "",
+    ),
+    (
+        "attn.kv_norm.weight",
+        "self_attention.kv_norm.weight",
+        "self_attention.kv_layernorm.weight",
+        "replicated",
+        "norm",
+        True,
+        "",
+    ),
+    (
+        "attn.wo_a.weight",
+        "self_attention.wo_a.weight",
+        "self_attention.linear_o_group_proj",  # a raw nn.Parameter upstream, not a module
+        "column",
+        "attention",
+        True,
+        "split by output groups",
+    ),
+    (
+        "attn.wo_b.weight",
+        "self_attention.wo_b.weight",
+        "self_attention.linear_proj.weight",
+        "row",
+        "attention",
+        True,
+        "",
+    ),
+    *(
+        (
+            f"attn.compressor.{p}",
+            f"self_attention.compressor.{p}",
+            f"{_CORE}.compressor.{up}",
+            "replicated",
+            "compressor",
+            False,
+            "ratio > 0",
+        )
+        for p, up in _CSA_PARAM.items()
+    ),
+    (
+        "attn.indexer.wq_b.weight",
+        "self_attention.indexer.linear_wq_b.weight",
+        f"{_CORE}.indexer.linear_wq_b.weight",
+        "replicated",
+        "indexer",
+        False,
+        "ratio 4",
+    ),
+    (
+        "attn.indexer.weights_proj.weight",
+        "self_attention.indexer.linear_weights_proj.weight",
+        f"{_CORE}.indexer.linear_weights_proj.weight",
+        "replicated",
+        "indexer",
+        False,
+        "ratio 4",
+    ),
+    *(
+        (
+            f"attn.indexer.compressor.{p}",
+            f"self_attention.indexer.compressor.{p}",
+            f"{_CORE}.indexer.compressor.{up}",
+            "replicated",
+            "indexer",
+            False,
+            "ratio 4",
+        )
+        for p, up in _CSA_PARAM.items()
+    ),
+    ("ffn.gate.weight", "mlp.router.weight", "mlp.router.weight", "replicated", "routing", True, ""),
+    (
+        "ffn.gate.bias",
+        "mlp.router.expert_bias",
+        "mlp.router.expert_bias",
+        "replicated",
+        "routing",
+        True,
+        "fp32, score-routed layers",
+    ),
+    (
+        "ffn.gate.tid2eid",
+        "mlp.router.tid2eid",
+        "mlp.router.tid2eid",
+        "replicated",
+        "routing",
+        False,
+        "int64 buffer, hash layers",
+    ),
+    (
+        ("ffn.experts.*.w1.weight", "ffn.experts.*.w3.weight"),
+        "mlp.experts.local_experts.*.linear_fc1.weight",
+        "mlp.experts.linear_fc1.weight*",
+        "expert_gated_mlp",
+        "expert",
+        True,
+        "global expert index in the official name, local in the native one",
+    ),
+    (
+        "ffn.experts.*.w2.weight",
+        "mlp.experts.local_experts.*.linear_fc2.weight",
+        "mlp.experts.linear_fc2.weight*",
+        "expert_row",
+        "expert",
+        True,
+        "global expert index in the official name, local in the native one",
+    ),
+    (
+        ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
+        "mlp.shared_experts.linear_fc1.weight",
+        "mlp.shared_experts.linear_fc1.weight",
+        "replicated_gated_mlp",
+        "shared_expert",
+        True,
+        "replicated over TP (impl.native.moe)",
+    ),
+    (
+        "ffn.shared_experts.w2.weight",
+        "mlp.shared_experts.linear_fc2.weight",
+        "mlp.shared_experts.linear_fc2.weight",
+        "replicated",
+        "shared_expert",
+        True,
+        "replicated over TP (impl.native.moe)",
+    ),
+)
+
+
+def _prefixed(prefix: str, names: Any) -> Any:
+    if isinstance(names, tuple):
+        return tuple(prefix + n for n in names)
+    return prefix + names
+
+
+def _build_table() -> tuple[MappingRow, ...]:
+    rows: list[MappingRow] = [
+        MappingRow(
+            "embed.weight", "embedding.word_embeddings.weight", "embedding.word_embeddings.weight", "vocab", "embedding"
+        ),
+        MappingRow("head.weight", "output_layer.weight", "output_layer.weight", "vocab", "embedding"),
+        MappingRow(
+            "norm.weight", "decoder.final_layernorm.weight", "decoder.final_layernorm.weight", "replicated", "norm"
+        ),
+        *(
+            MappingRow(
+                f"hc_head_{p}",
+                f"decoder.hc_head_params.hc_head_{p}",
+                f"decoder.hc_head_{p}",
+                "replicated",
+                "hyper_connection",
+                "fp32",
+            )
+            for p in ("fn", "base", "scale")
+        ),
+    ]
+    for off, nat, up, sem, grp, _in_mtp, note in _LAYER_TEMPLATE:
+        rows.append(
+            MappingRow(
+                _prefixed("layers.*.", off),
+                f"decoder.layers.*.{nat}",
+                _prefixed("decoder.layers.*.", up),
+                sem,
+                grp,
+                note,
+            )
+        )
+    # MTP: generated from the same template, so a per-layer fix reaches the MTP layer too.
+    for off, nat, up, sem, grp, in_mtp, note in _LAYER_TEMPLATE:
+        if in_mtp:
+            rows.append(
+                MappingRow(
+                    _prefixed("mtp.*.", off),
+                    f"mtp.layers.*.mtp_model_layer.{nat}",
+                    _prefixed("mtp.layers.*.mtp_model_layer.", up),
+                    sem,
+                    grp,
+                    f"MTP copy of layers.*.{off if isinstance(off, str) else off[0]}" + (f"; {note}" if note else ""),
+                )
+            )
+    rows += [
+        *(
+            MappingRow(
+                f"mtp.*.{leaf}.weight", f"mtp.layers.*.{mod}.weight", f"mtp.layers.*.{mod}.weight", "replicated", "mtp"
+            )
+            for leaf, mod in (
+                ("enorm", "enorm"),
+                ("hnorm", "hnorm"),
+                ("norm", "final_layernorm"),
+                ("e_proj", "e_proj"),
+                ("h_proj", "h_proj"),
+            )
+        ),
+        *(
+            MappingRow(
+                f"mtp.*.hc_head_{p}",
+                f"mtp.layers.*.hc_head_params.hc_head_{p}",
+                f"mtp.layers.*.hc_head_{p}",
+                "replicated",
+                "mtp",
+                "fp32",
+            )
+            for p in ("fn", "base", "scale")
+        ),
+    ]
+    return tuple(rows)
+
+
+MAPPING_TABLE: tuple[MappingRow, ...] = _build_table()
+
+# --------------------------------------------------------------------------------------------------
+# the official manifest a configuration implies (what coverage calls "expected")
+
+
+def _cfg(config: Any) -> Any:
+    """Accept a native ``V4Config``, a transformers config or a ``config.json`` dict."""
+    if hasattr(config, "compress_ratios") and hasattr(config, "num_hash_layers"):
+        return config
+    from impl.native.config import V4Config
+
+    if isinstance(config, Mapping):
+        from transformers import DeepseekV4Config
+
+        config = DeepseekV4Config(**dict(config))
+    return V4Config.from_hf(config)
+
+
+def _layer_names(prefix: str, ratio: int, hash_layer: bool, n_experts: int, in_mtp: bool) -> Iterator[str]:
+    for off, _nat, _up, _sem, grp, mtp_ok, _note in _LAYER_TEMPLATE:
+        if in_mtp and not mtp_ok:
+            continue
+        first = off if isinstance(off, str) else off[0]
+        if grp == "compressor" and ratio == 0:
+            continue
+        if grp == "indexer" and ratio != 4:
+            continue
+        if first == "ffn.gate.tid2eid" and not hash_layer:
+            continue
+        if first == "ffn.gate.bias" and hash_layer:
+            continue
+        names = off if isinstance(off, tuple) else (off,)
+        if grp == "expert":
+            for e in range(n_experts):
+                yield from (prefix + n.replace("*", str(e)) for n in names)
+        else:
+            yield from (prefix + n for n in names)
+
+
+def expected_official_names(config: Any, *, with_mtp: bool = True) -> list[str]:
+    """Every official (non-scale) tensor name a checkpoint of this configuration holds, in table order."""
+    cfg = _cfg(config)
+    names = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"]
+    for i in range(cfg.num_layers):
+        names += _layer_names(
+            f"layers.{i}.", cfg.compress_ratios[i], cfg.is_hash_layer(i), cfg.n_routed_experts, in_mtp=False
+        )
+    if with_mtp:
+        for k in range(cfg.num_mtp_layers):
+            p = f"mtp.{k}."
+            names += _layer_names(p, 0, False, cfg.n_routed_experts, in_mtp=True)
+            names += [p + s for s in ("enorm.weight", "hnorm.weight", "norm.weight", "e_proj.weight", "h_proj.weight")]
+            names += [f"{p}hc_head_{s}" for s in ("fn", "base", "scale")]
+    return names
