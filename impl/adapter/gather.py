@@ -32,8 +32,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
+from impl.adapter.build import AdapterState
 from impl.adapter.dialects import TARGETS
-from impl.adapter.export import AdapterState
 from impl.errors import ExportError
 
 __all__ = ["AdapterGatherError", "gather_adapter_state", "native_adapter_name"]
@@ -141,7 +141,7 @@ def gather_adapter_state(
     (``writer_rank=None``: on every rank).
     ``handle_or_lora`` is the :class:`impl.lora.wrappers.LoraHandle` (or its ``DeepseekV4LoRA``) that built the adapters;
     ``r``/``alpha``/``dropout`` come from it. No adapters at all -> a state with no tensors (the exporter refuses
-    it with :class:`impl.adapter.export.EmptyAdapterError`). ``targets``/``num_layers`` are filled only for the five
+    it with :class:`impl.adapter.build.EmptyAdapterError`). ``targets``/``num_layers`` are filled only for the five
     exportable attention leaves, and ``num_layers`` only when every such leaf is present in every layer, so the
     exporter's coverage check applies without rejecting a deliberately layer-restricted adapter.
     """
