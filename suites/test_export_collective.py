@@ -11,6 +11,7 @@ they never import megatron (the exporter does not need it; importing it would co
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,7 @@ from fixtures.multirank import RankFailure, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
+#: The export protocol's phases, in order (the implementation's EXPORT_PHASES must name exactly these).
 PHASES = ("gather", "serialize", "write", "fsync", "validate", "publish", "marker", "commit")
 EXCHANGE_TIMEOUT_S = 10.0
 KILL_EXCHANGE_TIMEOUT_S = 1.0  # < multirank.GRACE_S: survivors must report before the runner stops them
@@ -96,6 +98,7 @@ def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[di
                 "complete": (dest / api.COMPLETE_MARKER).exists(),
                 "valid": valid,
                 "leftovers": sorted(p.name for p in dest.parent.glob(f".{dest.name}.dsv4-*")),
+                "megatron": sorted(m for m in sys.modules if m.split(".")[0] == "megatron")[:3],
             }
         )
     return results
@@ -139,6 +142,22 @@ def test_failure_in_any_phase_on_any_rank_raises_the_same_error_everywhere_and_p
         assert c["elapsed"] < EXCHANGE_TIMEOUT_S, f"{case_id}: rank {rank} took {c['elapsed']:.1f}s (a timeout?)"
 
 
+def test_the_matrix_injects_into_every_phase_of_the_implementation_in_protocol_order(impl) -> None:
+    """The fault matrix covers PHASES; the implementation's public phase table must be exactly those phases, in
+    that order (a phase it added would otherwise never see a fault)."""
+    names = tuple(name for name, _ in impl.EXPORT_PHASES)
+    assert names == PHASES, f"{impl.name}.EXPORT_PHASES is {names}, the protocol (and this matrix) is {PHASES}"
+    assert all(callable(run) for _, run in impl.EXPORT_PHASES), "every phase must be a function of the context"
+
+
+def test_exporter_ranks_never_import_megatron(matrix_results) -> None:
+    """The exporter needs only torch and safetensors: ranks that only export stay free of megatron's import."""
+    for ws, payloads in matrix_results.items():
+        for rank, payload in enumerate(payloads):
+            imported = payload[-1]["megatron"]
+            assert not imported, f"world size {ws}, rank {rank}: the export imported megatron ({imported})"
+
+
 def test_matrix_case_count(matrix_results) -> None:
     """Reports how many fault cases ran (and that every world size ran all of its cases)."""
     counts = {ws: len(payloads[0]) for ws, payloads in matrix_results.items()}
@@ -171,7 +190,10 @@ def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing
         assert f"rank {kill_rank}: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s" in c["error"], c["error"]
         assert "(dead or hung)" in c["error"], c["error"]
         assert c["unchanged"], f"rank {r.rank}: destination changed after rank {kill_rank} died: {c['changed']}"
-        assert not c["complete"] or c["unchanged"], f"rank {r.rank}: a new .complete appeared"
+        # "unchanged" compares snapshots: they must hold the earlier export, or an empty tree would pass
+        assert c["complete"] and c["valid"] == "valid", (
+            f"rank {r.rank}: the earlier export no longer stands complete and valid: {c['valid']}"
+        )
     assert len({r.payload[0]["error"] for r in survivors}) == 1, "survivors raised different errors"
 
 
