@@ -82,27 +82,29 @@ def write(ctx: ExportContext) -> None:
 
 
 def fsync(ctx: ExportContext) -> None:
+    """The staged files and their directory are durable. The parent's entry for staging need not be: publish
+    syncs the parent after moving the old destination aside, before staging takes its place."""
     if ctx.writer:
         staging, _, _ = sidecars(ctx.out_dir)
         for name in (ADAPTER_FILE, CONFIG_FILE):
             fsync_path(staging / name)
         fsync_path(staging)
-        fsync_path(ctx.out_dir.parent)
 
 
 def validate(ctx: ExportContext) -> None:
     """Re-open the staged files: every tensor's bytes on disk identical to the validated (finite, shape-checked)
-    in-memory tensor, the header as built (read back with safetensors), config as built; hashes for the marker."""
+    in-memory tensor, the header as built (read back with safetensors), config as built. The file's sha256 may
+    still be computing: only the marker needs it."""
     if not ctx.writer:
         return
     staging, _, _ = sidecars(ctx.out_dir)
-    digest = ctx.check.result()
+    ctx.check.verify()
     check_header(staging, ctx.built)
     ctx.payload_size = (staging / ADAPTER_FILE).stat().st_size
     text = (staging / CONFIG_FILE).read_text()
     if json.loads(text) != json.loads(config_text(ctx.built.config)):
         raise AdapterValidationError(f"{staging / CONFIG_FILE} differs from the exported config")
-    ctx.hashes = {ADAPTER_FILE: digest, CONFIG_FILE: hashlib.sha256(text.encode()).hexdigest()}
+    ctx.hashes = {CONFIG_FILE: hashlib.sha256(text.encode()).hexdigest()}
     ctx.payload = None  # release the serialized copy before publishing
 
 
@@ -124,6 +126,7 @@ def publish(ctx: ExportContext) -> None:
 
 def marker(ctx: ExportContext) -> None:
     if ctx.writer:
+        ctx.hashes[ADAPTER_FILE] = ctx.check.digest()
         write_marker(ctx.out_dir, ctx.built.metadata["dsv4_dialect"], ctx.hashes)
 
 
