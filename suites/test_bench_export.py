@@ -37,8 +37,9 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _timed_peak(fn) -> tuple[float, int]:
-    """Wall time of ``fn()`` and its peak RSS above the RSS before it (sampled every 2 ms)."""
+def _timed_peak(fn) -> tuple[float, int, float]:
+    """Wall time of ``fn()``, its peak RSS above the RSS before it (sampled every 2 ms) and the CPU time of this
+    process meanwhile (all threads; what a loaded host makes everyone wait for)."""
     base, peak, done = _rss(), [0], threading.Event()
 
     def sample() -> None:
@@ -48,12 +49,12 @@ def _timed_peak(fn) -> tuple[float, int]:
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fn()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     done.set()
     t.join()
-    return elapsed, max(peak[0], _rss() - base)
+    return elapsed, max(peak[0], _rss() - base), cpu
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,13 @@ def _row(label: str, cells: list[str]) -> str:
 
 def _report(runs: dict[int, dict]) -> str:
     mb = next(iter(runs.values()))["bytes"] / 2**20
-    med = {
-        ws: {k: statistics.median(t for t, _ in r[k]) for k in ("plain", "durable", "export")} for ws, r in runs.items()
-    }
-    peak = {ws: {k: max(m for _, m in r[k]) / 2**20 for k in ("plain", "export")} for ws, r in runs.items()}
+
+    def median(ws: int, k: str, i: int) -> float:
+        return statistics.median(sample[i] for sample in runs[ws][k])
+
+    med = {ws: {k: median(ws, k, 0) for k in ("plain", "durable", "export")} for ws in runs}
+    cpu = {ws: {k: median(ws, k, 2) for k in ("durable", "export")} for ws in runs}
+    peak = {ws: {k: max(m for _, m, _ in runs[ws][k]) / 2**20 for k in ("plain", "export")} for ws in runs}
     cols = list(runs)
 
     def timing(k: str) -> list[str]:
@@ -122,6 +126,10 @@ def _report(runs: dict[int, dict]) -> str:
         ),
         _row("export / plain save", [f"{med[ws]['export'] / med[ws]['plain']:.2f}x" for ws in cols]),
         _row("export peak / adapter", [f"{peak[ws]['export'] / mb:.2f}x (< 2x)" for ws in cols]),
+        _row(
+            "CPU: save+fsync / export",
+            [f"{cpu[ws]['durable'] * 1e3:.0f} / {cpu[ws]['export'] * 1e3:.0f} ms" for ws in cols],
+        ),
     ]
     return "\n".join(lines)
 
