@@ -58,20 +58,26 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "TargetError",
         "UnsupportedConfigError",
     ),
-    "impl.adapter.export": (
+    "impl.adapter.build": (
         "AdapterShapeError",
         "AdapterState",
-        "AdapterValidationError",
-        "COMPLETE_MARKER",
-        "CollectiveExportError",
         "EmptyAdapterError",
         "MissingAdapterHalfError",
         "MtpNotExportableError",
         "NonFiniteAdapterError",
-        "PHASES",
-        "export_adapter",
         "publish_in_memory",
+    ),
+    "impl.adapter.export": (
+        "CollectiveExportError",
+        "export_adapter",
+    ),
+    "impl.adapter.files": (
+        "COMPLETE_MARKER",
         "recover_export_dir",
+    ),
+    "impl.adapter.phases": ("EXPORT_PHASES",),
+    "impl.adapter.validation": (
+        "AdapterValidationError",
         "validate_adapter_dir",
     ),
     "impl.adapter.fingerprint": (

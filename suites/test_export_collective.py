@@ -2,13 +2,16 @@
 
 Fault matrix: world sizes 1, 2, 4 (8 with ``--nproc 8``) x failing rank x export phase. Each world size runs its
 whole matrix inside ONE spawned gloo group (cases run back to back, a barrier between them), which also proves
-that a failed export leaves the process group usable. Ranks load ``impl.adapter.export`` without ``impl/__init__``
-(``fixtures.export_faults.load_export_module``): importing megatron in every rank would cost tens of seconds.
+that a failed export leaves the process group usable. Ranks reach the exporter only through the public API of the
+implementation under test (its name travels in the case): they inject each fault by passing ``export_adapter`` a
+copy of the implementation's own phase table with that phase wrapped (``fixtures.faults.phases_with_fault``), and
+they never import megatron (the exporter does not need it; importing it would cost every rank tens of seconds).
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,17 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.export_faults import (
-    attention_shapes,
-    fault_in_phase,
-    load_export_module,
-    make_native_adapter,
-    snapshot_tree,
-)
+from fixtures.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
+from fixtures.faults import phases_with_fault
+from fixtures.impl_loader import load_impl
 from fixtures.multirank import RankFailure, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
+#: The export protocol's phases, in order (the implementation's EXPORT_PHASES must name exactly these).
 PHASES = ("gather", "serialize", "write", "fsync", "validate", "publish", "marker", "commit")
 EXCHANGE_TIMEOUT_S = 10.0
 KILL_EXCHANGE_TIMEOUT_S = 1.0  # < multirank.GRACE_S: survivors must report before the runner stops them
@@ -41,25 +41,26 @@ def matrix(world_size: int) -> list[tuple[str, int, str]]:
 
 @dataclass(frozen=True)
 class MatrixCase:
+    impl: str  # the implementation under test, by module name
     root: str
     world_size: int
     kill: tuple[int, str] | None = None  # (rank, phase) to SIGKILL instead of the matrix
 
 
-def _state(export, rank: int, seed: int):
+def _state(api, rank: int, seed: int):
     # Every rank runs the gather; only the writer (rank 0) returns the gathered state.
     if rank != 0:
         return None
-    return export.AdapterState(make_native_adapter(SHAPES, 2, 4, seed=seed), r=4, alpha=8.0, targets=tuple(SHAPES))
+    return api.AdapterState(make_native_adapter(SHAPES, 2, 4, seed=seed), r=4, alpha=8.0, targets=tuple(SHAPES))
 
 
 def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[dict]:
     import torch.distributed as dist
 
-    export = load_export_module()
+    api = load_impl(case.impl, prepare=False)
     root = Path(case.root)
     existing, fresh = root / "existing" / "adapter", root / "fresh" / "adapter"
-    export.export_adapter(lambda: _state(export, rank, 0), existing, timeout_s=EXCHANGE_TIMEOUT_S)
+    api.export_adapter(lambda: _state(api, rank, 0), existing, timeout_s=EXCHANGE_TIMEOUT_S)
     dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
     cases = (
         [(f"ws{world_size}-kill-rank{case.kill[0]}-{case.kill[1]}", *case.kill)] if case.kill else matrix(world_size)
@@ -71,11 +72,11 @@ def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[di
         before = snapshot_tree(dest)
         exc = None if case.kill else OSError(f"writer failed ({case_id})")
         error, started = None, time.monotonic()
-        with fault_in_phase(export, phase, fail_rank, rank, exc):
-            try:
-                export.export_adapter(lambda seed=i + 1: _state(export, rank, seed), dest, timeout_s=timeout)
-            except export.CollectiveExportError as err:
-                error = str(err)
+        phases = phases_with_fault(api.EXPORT_PHASES, phase, fail_rank, exc)
+        try:
+            api.export_adapter(lambda seed=i + 1: _state(api, rank, seed), dest, timeout_s=timeout, phases=phases)
+        except api.CollectiveExportError as err:
+            error = str(err)
         elapsed = time.monotonic() - started
         if not case.kill:
             dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))  # the group must still work
@@ -83,7 +84,7 @@ def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[di
         valid = None  # judged only by the kill tests; the matrix compares snapshots
         if case.kill:
             try:
-                export.validate_adapter_dir(dest)
+                api.validate_adapter_dir(dest)
                 valid = "valid"
             except Exception as err:  # reported, judged by the test
                 valid = f"{type(err).__name__}: {err}"
@@ -94,9 +95,10 @@ def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[di
                 "elapsed": elapsed,
                 "unchanged": before == after,
                 "changed": sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)),
-                "complete": (dest / export.COMPLETE_MARKER).exists(),
+                "complete": (dest / api.COMPLETE_MARKER).exists(),
                 "valid": valid,
                 "leftovers": sorted(p.name for p in dest.parent.glob(f".{dest.name}.dsv4-*")),
+                "megatron": sorted(m for m in sys.modules if m.split(".")[0] == "megatron")[:3],
             }
         )
     return results
@@ -106,14 +108,14 @@ _WORLD_SIZES = (1, 2, 4, 8)
 
 
 @pytest.fixture(scope="module")
-def matrix_results(nproc: int, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[list[dict]]]:
+def matrix_results(impl, nproc: int, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[list[dict]]]:
     """Run each world size's matrix once; {world_size: per-rank case lists}."""
     out = {}
     for ws in _WORLD_SIZES:
         if ws > max(nproc, 4):
             continue
         root = tmp_path_factory.mktemp(f"export-ws{ws}")
-        results = run_ranks(_rank_export_matrix, MatrixCase(str(root), ws), nproc=ws, timeout_s=240)
+        results = run_ranks(_rank_export_matrix, MatrixCase(impl.name, str(root), ws), nproc=ws, timeout_s=240)
         out[ws] = [r.payload for r in results]
     return out
 
@@ -140,6 +142,22 @@ def test_failure_in_any_phase_on_any_rank_raises_the_same_error_everywhere_and_p
         assert c["elapsed"] < EXCHANGE_TIMEOUT_S, f"{case_id}: rank {rank} took {c['elapsed']:.1f}s (a timeout?)"
 
 
+def test_the_matrix_injects_into_every_phase_of_the_implementation_in_protocol_order(impl) -> None:
+    """The fault matrix covers PHASES; the implementation's public phase table must be exactly those phases, in
+    that order (a phase it added would otherwise never see a fault)."""
+    names = tuple(name for name, _ in impl.EXPORT_PHASES)
+    assert names == PHASES, f"{impl.name}.EXPORT_PHASES is {names}, the protocol (and this matrix) is {PHASES}"
+    assert all(callable(run) for _, run in impl.EXPORT_PHASES), "every phase must be a function of the context"
+
+
+def test_exporter_ranks_never_import_megatron(matrix_results) -> None:
+    """The exporter needs only torch and safetensors: ranks that only export stay free of megatron's import."""
+    for ws, payloads in matrix_results.items():
+        for rank, payload in enumerate(payloads):
+            imported = payload[-1]["megatron"]
+            assert not imported, f"world size {ws}, rank {rank}: the export imported megatron ({imported})"
+
+
 def test_matrix_case_count(matrix_results) -> None:
     """Reports how many fault cases ran (and that every world size ran all of its cases)."""
     counts = {ws: len(payloads[0]) for ws, payloads in matrix_results.items()}
@@ -156,11 +174,11 @@ def test_matrix_case_count(matrix_results) -> None:
     ],
 )
 def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing_is_published(
-    tmp_path: Path, world_size: int, kill_rank: int, phase: str
+    impl, tmp_path: Path, world_size: int, kill_rank: int, phase: str
 ) -> None:
     results = run_ranks(
         _rank_export_matrix,
-        MatrixCase(str(tmp_path), world_size, kill=(kill_rank, phase)),
+        MatrixCase(impl.name, str(tmp_path), world_size, kill=(kill_rank, phase)),
         nproc=world_size,
         timeout_s=60,
         expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),
@@ -172,7 +190,10 @@ def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing
         assert f"rank {kill_rank}: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s" in c["error"], c["error"]
         assert "(dead or hung)" in c["error"], c["error"]
         assert c["unchanged"], f"rank {r.rank}: destination changed after rank {kill_rank} died: {c['changed']}"
-        assert not c["complete"] or c["unchanged"], f"rank {r.rank}: a new .complete appeared"
+        # "unchanged" compares snapshots: they must hold the earlier export, or an empty tree would pass
+        assert c["complete"] and c["valid"] == "valid", (
+            f"rank {r.rank}: the earlier export no longer stands complete and valid: {c['valid']}"
+        )
     assert len({r.payload[0]["error"] for r in survivors}) == 1, "survivors raised different errors"
 
 
@@ -185,14 +206,14 @@ def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing
     ],
 )
 def test_a_rank_lost_after_the_commit_point_is_reported_and_the_committed_export_stands(
-    tmp_path: Path, world_size: int, kill_rank: int
+    impl, tmp_path: Path, world_size: int, kill_rank: int
 ) -> None:
     """Killed in the commit phase, after the writer's commit rename: the survivors still raise the same error
     naming the lost rank, but it says the adapter WAS committed (or, for a lost writer, that the destination is
     the new export or the old one), and the destination is the new complete export with no sidecars left."""
     results = run_ranks(
         _rank_export_matrix,
-        MatrixCase(str(tmp_path), world_size, kill=(kill_rank, "commit")),
+        MatrixCase(impl.name, str(tmp_path), world_size, kill=(kill_rank, "commit")),
         nproc=world_size,
         timeout_s=60,
         expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),

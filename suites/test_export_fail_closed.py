@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.export_faults import attention_shapes, make_native_adapter, snapshot_tree
+from fixtures.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
 
 pytestmark = pytest.mark.cpu
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from fixtures.export_faults import attention_shapes, make_native_adapter
+from fixtures.adapter_states import attention_shapes, make_native_adapter
 
 pytestmark = pytest.mark.cpu
 

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
+from impl.adapter.build import AdapterState
 from impl.adapter.dialects import match_native
-from impl.adapter.export import AdapterState
 from impl.errors import ExportError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
@@ -139,8 +139,9 @@ def gather_adapter_state(
     (``writer_rank=None``: on every rank).
     ``handle_or_lora`` is the :class:`impl.lora.wrappers.LoraHandle` (or its ``DeepseekV4LoRA``) that built the adapters;
     ``r``/``alpha``/``dropout`` come from it. No adapters at all -> a state with no tensors (the exporter refuses
-    it with :class:`impl.adapter.export.EmptyAdapterError`). ``targets``/``num_layers`` are filled only when every
-    adapter is a decoder layer's exportable (main-attention) target, and ``num_layers`` only when every such leaf is present in every layer, so the
+    it with :class:`impl.adapter.build.EmptyAdapterError`). ``targets``/``num_layers`` are filled only when every
+    adapter is a decoder layer's exportable (main-attention)
+    target, and ``num_layers`` only when every such leaf is present in every layer, so the
     exporter's coverage check applies without rejecting a deliberately layer-restricted adapter.
     """
     lora, _ = _lora_hparams(handle_or_lora)

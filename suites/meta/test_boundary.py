@@ -37,13 +37,6 @@ pytestmark = pytest.mark.cpu
 IMPL_PACKAGE = "impl"
 SCANNED = ("suites", "fixtures", "conftest.py")
 
-# TEMPORARY allow-list: violations that a change in flight (the export fault matrix's rank functions) is removing.
-# Each entry is (file, rule). Do not add to it.
-TEMPORARY_ALLOWED_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("fixtures/export_faults.py", "import"),  # import_module("impl.adapter.export")
-    }
-)
 #: The harness's own infrastructure that lives in the reference package, reached whatever ``--impl`` names: the
 #: project's one rank launcher (spawn, rendezvous, reap, report) is shared by the command line and the runner, and
 #: is not behaviour under test (suites/meta/test_runner.py tests it). (file, imported module).
@@ -260,10 +253,7 @@ def _is_harness_import(v: Violation) -> bool:
 
 def test_suites_and_fixtures_reach_the_implementation_only_through_its_public_api():
     found = [v for v in scan_tree(REPO_ROOT) if not _is_harness_import(v)]
-    new = [v for v in found if (v.path, v.rule) not in TEMPORARY_ALLOWED_VIOLATIONS]
-    assert not new, "the suite reaches past the impl fixture:\n  " + "\n  ".join(map(str, new))
-    stale = TEMPORARY_ALLOWED_VIOLATIONS - {(v.path, v.rule) for v in found}
-    assert not stale, f"allowed violations that no longer occur; remove them from the allow-list: {sorted(stale)}"
+    assert not found, "the suite reaches past the impl fixture:\n  " + "\n  ".join(map(str, found))
 
 
 VIOLATIONS = {

@@ -1,0 +1,310 @@
+"""From an adapter state (full native LoRA tensors + hyper-parameters) to the PEFT tensors, config and metadata.
+
+Input: ``decoder.layers.N.self_attention.<leaf>.adapter.linear_in.weight`` = lora_A ``[r, in]`` and
+``...linear_out.weight`` = lora_B ``[out, r]``, already gathered. :func:`build_adapter` checks the state (fail
+closed, naming the tensor) and renames it into a dialect; :func:`publish_in_memory` (trainer -> rollout weight
+sync) returns its result and the file export writes it, so the file is the in-memory result serialized.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from impl.adapter.dialects import DIALECTS, PEFT_PREFIX, Dialect, NativeAdapterName, official_base_name, parse_native
+from impl.adapter.fingerprint import METADATA_KEY
+from impl.errors import ExportError, MultiLoRAUnsupportedError
+
+
+class EmptyAdapterError(ExportError):
+    """The adapter state holds no tensors, or a declared target has none."""
+
+
+class MissingAdapterHalfError(ExportError):
+    """A module has lora_A without lora_B (or the reverse)."""
+
+
+class AdapterShapeError(ExportError):
+    """A LoRA tensor's shape disagrees with r or with the base weight it adapts."""
+
+
+class NonFiniteAdapterError(ExportError):
+    """A LoRA tensor holds NaN or Inf."""
+
+
+class MtpNotExportableError(ExportError):
+    """MTP adapters cannot be expressed in the requested dialect."""
+
+
+@dataclass
+class AdapterState:
+    """Full native LoRA tensors + hyper-parameters of ONE adapter."""
+
+    tensors: Mapping[str, torch.Tensor]
+    r: int
+    alpha: float
+    dropout: float = 0.0
+    targets: Sequence[str] | None = None  # declared native leaves; each must have tensors
+    num_layers: int | None = None  # when given, every declared target must be present in every layer
+
+
+@dataclass
+class BuiltAdapter:
+    """What is published: PEFT-named tensors, ``adapter_config.json`` and the safetensors header metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    metadata: dict[str, str]
+    modules: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)  # exported name -> the native name it came from
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How a state is published (the keyword arguments of :func:`publish_in_memory` and the file export)."""
+
+    dialect: str = "transformers"
+    base_model_name_or_path: str | None = None
+    base_fingerprint: Mapping[str, Any] | None = None
+    base_shapes: Mapping[str, Sequence[int]] | None = None
+    mtp: str = "reject"  # "reject" or "exclude" MTP adapters a dialect cannot express
+
+
+#: One adapted module: its parsed name and (native name, tensor) for each half "A"/"B".
+_Module = tuple[NativeAdapterName, dict[str, tuple[str, torch.Tensor]]]
+
+
+def _single_state(state: AdapterState | Mapping[str, AdapterState]) -> AdapterState:
+    if isinstance(state, AdapterState):
+        return state
+    if isinstance(state, Mapping) and state and all(isinstance(v, AdapterState) for v in state.values()):
+        if len(state) > 1:
+            raise MultiLoRAUnsupportedError(
+                f"{len(state)} adapters given ({sorted(state)}): multi-LoRA export is not supported for DeepSeek-V4; "
+                "export one adapter per directory"
+            )
+        return next(iter(state.values()))
+    raise ExportError(f"expected an AdapterState (or a one-entry mapping of them), got {type(state).__name__}")
+
+
+def _check_options(st: AdapterState, opts: BuildOptions) -> Dialect:
+    if opts.dialect not in DIALECTS:
+        raise ExportError(f"unknown dialect {opts.dialect!r}; choose one of {sorted(DIALECTS)}")
+    if opts.mtp not in ("reject", "exclude"):
+        raise ExportError(f"mtp={opts.mtp!r}: use 'reject' or 'exclude'")
+    if not (isinstance(st.r, int) and st.r > 0) or not st.alpha > 0 or not 0.0 <= st.dropout < 1.0:
+        raise ExportError(f"invalid LoRA hyper-parameters r={st.r} alpha={st.alpha} dropout={st.dropout}")
+    if not st.tensors:
+        raise EmptyAdapterError(
+            "adapter state holds no tensors: the gather produced nothing (is LoRA applied, and is this the "
+            "writer rank?); nothing was exported"
+        )
+    return DIALECTS[opts.dialect]
+
+
+def _pair_modules(tensors: Mapping[str, torch.Tensor]) -> dict[tuple, _Module]:
+    """Group the tensors by adapted module; every module must have both halves."""
+    modules: dict[tuple, _Module] = {}
+    for name, tensor in tensors.items():
+        p = parse_native(name)
+        halves = modules.setdefault(p.module_key, (p, {}))[1]
+        if p.half in halves:  # only possible when one state mixes the Miles and upstream layouts
+            raise ExportError(f"{name} and {halves[p.half][0]} name the same adapter tensor; use one native layout")
+        halves[p.half] = (name, tensor)
+    for _, halves in modules.values():
+        if set(halves) != {"A", "B"}:
+            have_half, (have_name, _) = next(iter(halves.items()))
+            want = (
+                have_name.replace("linear_in", "linear_out")
+                if have_half == "A"
+                else have_name.replace("linear_out", "linear_in")
+            )
+            raise MissingAdapterHalfError(
+                f"{have_name} has no partner {want}: the gather lost half of the adapter; nothing was exported"
+            )
+    return modules
+
+
+def _check_declared(st: AdapterState, modules: Mapping[tuple, _Module]) -> None:
+    """Declared targets have tensors (in every layer when ``num_layers`` is given) and nothing else does."""
+    if st.targets is None:
+        return
+    present = {p.row.native for p, _ in modules.values()}
+    declared = list(st.targets)
+    for t in declared:
+        if t not in present:
+            raise EmptyAdapterError(f"declared target {t!r} has no tensors in the adapter state; nothing was exported")
+    extra = sorted(present - set(declared))
+    if extra:
+        raise ExportError(f"adapter state holds tensors for undeclared targets {extra}; declare them or drop them")
+    for layer in range(st.num_layers or 0):
+        for t in declared:
+            if (0, layer, t) not in modules:
+                raise EmptyAdapterError(
+                    f"target {t!r} has no tensors in layer {layer} "
+                    f"(decoder.layers.{layer}.self_attention.{t}.adapter.*); nothing was exported"
+                )
+
+
+def _base_shapes(opts: BuildOptions) -> dict[str, tuple[int, ...]] | None:
+    if opts.base_fingerprint is None and opts.base_shapes is None:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    if opts.base_fingerprint is not None:
+        shapes.update({k: tuple(v["shape"]) for k, v in opts.base_fingerprint["tensors"].items()})
+    if opts.base_shapes is not None:
+        shapes.update({k: tuple(v) for k, v in opts.base_shapes.items()})
+    return shapes
+
+
+def _check_pair(module: _Module, r: int, shapes: Mapping[str, tuple[int, ...]] | None, check_finite: bool) -> None:
+    p, halves = module
+    (a_name, a), (b_name, b) = halves["A"], halves["B"]
+    for n, t in ((a_name, a), (b_name, b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            raise AdapterShapeError(f"{n}: expected a 2-D floating tensor, got {getattr(t, 'shape', type(t))}")
+    if a.shape[0] != r or b.shape[1] != r:
+        raise AdapterShapeError(
+            f"{a_name} {list(a.shape)} / {b_name} {list(b.shape)}: expected lora_A [r={r}, in] and lora_B [out, r={r}]"
+        )
+    if a.dtype != b.dtype:
+        raise AdapterShapeError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}")
+    if shapes is not None:
+        base = official_base_name(p.layer, p.row)
+        if base not in shapes:
+            raise AdapterShapeError(f"{a_name}: the base has no weight {base} to adapt")
+        out_f, in_f = shapes[base]
+        if a.shape[1] != in_f or b.shape[0] != out_f:
+            raise AdapterShapeError(
+                f"{a_name} {list(a.shape)} / {b_name} {list(b.shape)} disagree with base {base} "
+                f"[{out_f}, {in_f}]: expected lora_A [{r}, {in_f}], lora_B [{out_f}, {r}]"
+            )
+    for n, t in ((a_name, a), (b_name, b)) if check_finite else ():
+        if not all_finite(t):
+            raise NonFiniteAdapterError(f"{n} holds NaN/Inf values; refusing to publish a corrupt adapter")
+
+
+def _config(st: AdapterState, opts: BuildOptions, d: Dialect, module_names: list[str]) -> dict[str, Any]:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": opts.base_model_name_or_path,
+        "r": st.r,
+        "lora_alpha": st.alpha,
+        "lora_dropout": st.dropout,
+        "bias": "none",
+        "target_modules": d.target_modules(module_names),
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
+
+
+def build_adapter(
+    state: AdapterState | Mapping[str, AdapterState], opts: BuildOptions, *, check_finite: bool = True
+) -> BuiltAdapter:
+    """Validate (fail closed) and rename; shared by in-memory publication and file export. The file export passes
+    ``check_finite=False``: it checks finiteness on the staged file's re-read instead (one pass, off the critical
+    path)."""
+    st = _single_state(state)
+    d = _check_options(st, opts)
+    modules = _pair_modules(st.tensors)
+    _check_declared(st, modules)
+    shapes = _base_shapes(opts)
+    built = BuiltAdapter({}, {}, {"format": "pt", "dsv4_dialect": d.name})
+    excluded: list[str] = []
+    for key in sorted(modules):
+        p, halves = modules[key]
+        if p.layer is None and d.mtp_module is None:
+            if opts.mtp == "reject":
+                raise MtpNotExportableError(
+                    f"{halves['A'][0]}: MTP adapters cannot be exported in dialect {d.name!r} ({d.mtp_reason}); "
+                    "pass mtp='exclude' to drop them (recorded in the adapter metadata) or use dialect='official'"
+                )
+            excluded += [halves["A"][0], halves["B"][0]]
+            continue
+        _check_pair(modules[key], st.r, shapes, check_finite)
+        module = d.module_name(p.layer, p.row)
+        built.modules.append(module)
+        for half, (native, t) in (("lora_A", halves["A"]), ("lora_B", halves["B"])):
+            exported = f"{PEFT_PREFIX}{module}.{half}.weight"
+            built.tensors[exported], built.sources[exported] = t.detach().contiguous(), native
+    if not built.tensors:
+        raise EmptyAdapterError(f"no adapter tensors remain after excluding {excluded}; nothing was exported")
+    built.config = _config(st, opts, d, built.modules)
+    if opts.base_fingerprint is not None:
+        built.metadata[METADATA_KEY] = json.dumps(opts.base_fingerprint, sort_keys=True)
+    if excluded:
+        built.metadata["dsv4_excluded"] = json.dumps({"tensors": excluded, "reason": d.mtp_reason})
+    return built
+
+
+def publish_in_memory(
+    adapter_state: AdapterState | Mapping[str, AdapterState],
+    *,
+    dialect: str = "transformers",
+    base_model_name_or_path: str | None = None,
+    base_fingerprint: Mapping[str, Any] | None = None,
+    base_shapes: Mapping[str, Sequence[int]] | None = None,
+    mtp: str = "reject",
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """PEFT-named adapter tensors and ``adapter_config.json`` dict, for trainer -> rollout weight sync.
+
+    Exactly what :func:`impl.adapter.export.export_adapter` writes (same validation); raises an
+    :class:`ExportError` subclass naming the offending tensor on empty/partial/mis-shaped/non-finite input."""
+    opts = BuildOptions(dialect, base_model_name_or_path, base_fingerprint, base_shapes, mtp)
+    built = build_adapter(adapter_state, opts)
+    return built.tensors, built.config
+
+
+# ------------------------------------------------------------------------------------------------- finiteness
+
+#: NaN/Inf <=> every exponent bit set <=> the bits without the sign, read unsigned, >= the exponent mask
+EXPONENT_MASKS: dict[torch.dtype, tuple[type, int]] = {
+    torch.bfloat16: (np.uint16, 0x7F80),
+    torch.float16: (np.uint16, 0x7C00),
+    torch.float32: (np.uint32, 0x7F800000),
+}
+
+
+def finite_bits(raw: np.ndarray, dtype: torch.dtype, scratch: np.ndarray | None = None) -> bool:
+    """No NaN/Inf among the bytes ``raw`` of a ``dtype`` in :data:`EXPONENT_MASKS` (whole elements). ``scratch``
+    (at least ``raw``'s size, any dtype) receives the masked values instead of a fresh temporary."""
+    uint, mask = EXPONENT_MASKS[dtype]
+    values = raw.view(uint)
+    out = None if scratch is None else scratch.view(uint)[: values.size]
+    return int(np.bitwise_and(values, ~uint(0) >> 1, out=out).max(initial=0)) < mask
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """NaN/Inf check on the exponent bits with numpy: torch.isfinite on CPU bf16 is far slower."""
+    if t.dtype not in EXPONENT_MASKS:
+        return bool(torch.isfinite(t).all())
+    return finite_bits(raw_bytes(t), t.dtype)
+
+
+def raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as a flat uint8 array (no copy for a contiguous CPU tensor)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+__all__ = [
+    "AdapterShapeError",
+    "AdapterState",
+    "BuildOptions",
+    "BuiltAdapter",
+    "EmptyAdapterError",
+    "MissingAdapterHalfError",
+    "MtpNotExportableError",
+    "NonFiniteAdapterError",
+    "build_adapter",
+    "publish_in_memory",
+]
