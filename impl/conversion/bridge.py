@@ -29,8 +29,7 @@ import impl.compat.active  # noqa: F401  (the CPU compat layer must precede ever
 
 # isort: split
 
-import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,7 +49,6 @@ from megatron.bridge.models.conversion.param_mapping import (
 )
 from megatron.bridge.models.conversion.utils import persistent_buffers
 from megatron.core import parallel_state
-from safetensors import safe_open
 from torch import nn
 
 from impl.adapter.gather import gather_adapter_state, unwrap_chunk
@@ -60,14 +58,18 @@ from impl.compat.megatron_bridge import (
     replicate_over_tensor_parallel,
     restore_model_bridge,
 )
+from impl.conversion.checkpoint import (
+    QUANT_PREFIXES,
+    Header,
+    LazyState,
+    effective_shape,
+    maybe_dequantize_hf_quantized_weight,
+    quantization_problems,
+    read_headers,
+)
 from impl.conversion.detect import require_deepseek_v4_config
 from impl.conversion.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
-from impl.errors import CheckpointMappingError, CorruptCheckpointError, QuantizationError
-
-try:  # Megatron-Bridge >= 0.5.0 dequantizes FP8 / MXFP4 checkpoint weights; 0.4.x has no such module.
-    from megatron.bridge.models.conversion.quantization_utils import maybe_dequantize_hf_quantized_weight
-except ModuleNotFoundError:
-    maybe_dequantize_hf_quantized_weight = None
+from impl.errors import CheckpointMappingError, QuantizationError
 
 __all__ = [
     "MAPPING_CLASSES",
@@ -232,63 +234,6 @@ def _ep_size() -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# checkpoint side: headers and lazy tensors
-
-
-@dataclass(frozen=True)
-class _Header:
-    file: str
-    shape: tuple[int, ...]
-    dtype: str
-
-
-def _read_headers(ckpt_dir: Path) -> tuple[dict[str, _Header], dict[str, list[str]]]:
-    files = sorted(ckpt_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointMappingError(f"no *.safetensors files in {ckpt_dir}; point at an official V4 checkpoint dir")
-    headers: dict[str, _Header] = {}
-    seen: dict[str, list[str]] = {}
-    for f in files:
-        # The JSON header itself: it also reveals a name written twice within one file.
-        try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                raw = json.loads(fh.read(n), object_pairs_hook=lambda kv: kv)
-            entries = [(name, dict(meta)) for name, meta in raw if name != "__metadata__"]
-            parsed = [(name, tuple(meta["shape"]), meta["dtype"]) for name, meta in entries]
-        except (ValueError, KeyError, TypeError, MemoryError) as exc:
-            raise CorruptCheckpointError(
-                f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc}); re-download or re-write it"
-            ) from exc
-        for name, shape, dtype in parsed:
-            seen.setdefault(name, []).append(f.name)
-            headers[name] = _Header(f.name, shape, dtype)
-    dups = {n: fs for n, fs in seen.items() if len(fs) > 1}
-    return headers, dups
-
-
-class _LazyState(Mapping[str, torch.Tensor]):
-    """Read-on-demand view of the checkpoint tensors (what the dequantizer indexes into)."""
-
-    def __init__(self, ckpt_dir: Path, headers: dict[str, _Header]):
-        self._dir = ckpt_dir
-        self._headers = headers
-        self._handles: dict[str, Any] = {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        h = self._headers[name]
-        if h.file not in self._handles:
-            self._handles[h.file] = safe_open(str(self._dir / h.file), framework="pt")
-        return self._handles[h.file].get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._headers)
-
-    def __len__(self) -> int:
-        return len(self._headers)
-
-
-# --------------------------------------------------------------------------------------------------
 # strict load
 
 
@@ -314,67 +259,6 @@ class LoadReport:
 
     def __str__(self) -> str:
         return "LoadReport(" + ", ".join(f"{k}={v}" for k, v in self.totals.items()) + ")"
-
-
-def _effective_shape(name: str, headers: dict[str, _Header]) -> tuple[int, ...]:
-    """Logical shape of an official weight; MXFP4 (int8 + ``.scale``) packs two values per byte."""
-    h = headers[name]
-    if h.dtype == "I8" and len(h.shape) == 2:  # a missing scale is reported by _quantization_problems
-        return (h.shape[0], h.shape[1] * 2)
-    return h.shape
-
-
-# UE8M0 (instruct) or F32 (*-Base) block scales: docs/reference/v4_architecture.md §3.3
-_SCALE_DTYPES = ("F8_E8M0", "F32")
-_PLAIN_DTYPES = ("F32", "BF16", "F16", "I64", "I32")
-_FP8_BLOCK, _MXFP4_BLOCK = 128, 32
-_QUANT_PREFIXES = ("unscaled ", "bad scale ", "bad quantized weight ", "undequantizable ")
-
-
-def _quantization_problems(name: str, headers: dict[str, _Header]) -> list[str]:
-    problems = _scale_problems(name, headers)
-    if maybe_dequantize_hf_quantized_weight is None and headers[name].dtype in ("F8_E4M3", "I8"):
-        problems.append(
-            f"undequantizable {name}: {headers[name].dtype} weight, but this megatron-bridge has no "
-            "models.conversion.quantization_utils dequantizer (added in 0.5.0); use megatron-bridge>=0.5 "
-            "or store the checkpoint unquantized"
-        )
-    return problems
-
-
-def _scale_problems(name: str, headers: dict[str, _Header]) -> list[str]:
-    """Header-only checks of one consumed weight and its ``.scale`` companion (Megatron-Bridge's dequantizer
-    silently casts an FP8 weight without a scale, and ignores a scale next to an unquantized weight)."""
-    h = headers[name]
-    scale = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
-    sh = headers.get(scale) if scale else None
-    fix = (
-        "re-quantize it (FP8 E4M3 + 128x128 scales, or MXFP4 int8 + [out, in/32] UE8M0 scales) or store it unquantized"
-    )
-    if h.dtype in ("F8_E4M3", "I8"):
-        if sh is None:
-            return [f"unscaled {name}: {h.dtype} weight {h.shape} has no {scale} companion; {fix}"]
-        if len(h.shape) != 2:
-            return [f"bad quantized weight {name}: {h.dtype} needs 2 dims, got {h.shape}; {fix}"]
-        out_dim, in_dim = h.shape
-        if h.dtype == "F8_E4M3":
-            want = (-(-out_dim // _FP8_BLOCK), -(-in_dim // _FP8_BLOCK))
-        else:  # MXFP4: two e2m1 values per byte, one scale per 32 inputs
-            in_dim *= 2
-            if in_dim % _MXFP4_BLOCK:
-                return [f"bad quantized weight {name}: MXFP4 input dim {in_dim} is not a multiple of 32; {fix}"]
-            want = (out_dim, in_dim // _MXFP4_BLOCK)
-        problems = []
-        if sh.dtype not in _SCALE_DTYPES:
-            problems.append(f"bad scale {scale}: dtype {sh.dtype}, expected one of {_SCALE_DTYPES}; {fix}")
-        if sh.shape != want:
-            problems.append(f"bad scale {scale}: shape {sh.shape}, expected {want} for {h.dtype} {name} {h.shape}")
-        return problems
-    if h.dtype not in _PLAIN_DTYPES:
-        return [f"bad quantized weight {name}: dtype {h.dtype} is not supported; {fix}"]
-    if sh is not None:
-        return [f"bad scale {scale}: companion of unquantized {h.dtype} weight {name} (it would be ignored)"]
-    return []
 
 
 def _tp_size_of(mapping: MegatronParamMapping) -> int:
@@ -428,19 +312,15 @@ def _read_official(hf_param: str | dict[str, str], state: Mapping[str, torch.Ten
     return {k: state[v] for k, v in hf_param.items()} if isinstance(hf_param, dict) else state[hf_param]
 
 
-def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir: str | Path) -> LoadReport:
-    """Strictly load an official-layout V4 checkpoint into native model chunks (collective over all ranks)."""
-    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
-    ckpt = Path(ckpt_dir)
-    headers, dups = _read_headers(ckpt)
-    natives = _native_tensors(chunks)
-
+def _plan_load(
+    natives: list[_NativeTensor], headers: dict[str, Header]
+) -> tuple[list[tuple[_NativeTensor, MegatronParamMapping]], set[str], list[str]]:
+    """This rank's half of the strict load, from headers only: what each native tensor loads from, which
+    checkpoint tensors that consumes, and every offender (unmapped, missing, mis-shaped, badly quantized)."""
     offenders: list[str] = []
-    plan: list[tuple[_NativeTensor, MegatronParamMapping, MappingRow]] = []
+    plan: list[tuple[_NativeTensor, MegatronParamMapping]] = []
     consumed: set[str] = set()
-    native_names: list[str] = []
     for nt in natives:
-        native_names.append(nt.name)
         hit = lookup_native(nt.name)
         if hit is None:
             offenders.append(
@@ -449,33 +329,35 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
             continue
         _, row, officials = hit
         mapping = _resolved(row, nt.name)
-        expected = _expected_official_shapes(nt, row, mapping)
         ok = True
-        for off, exp in zip(officials, expected, strict=True):
+        for off, exp in zip(officials, _expected_official_shapes(nt, row, mapping), strict=True):
             if off not in headers:
                 offenders.append(f"missing {off}: expected shape {exp}, needed by native {nt.name}")
                 ok = False
                 continue
-            got = _effective_shape(off, headers)
+            got = effective_shape(off, headers)
             if not _shape_ok(row, exp, got, tuple(nt.tensor.shape)):
                 offenders.append(f"mis-shaped {off}: expected shape {exp}, got {got} (native {nt.name})")
                 ok = False
             consumed.add(off)
-            quant = _quantization_problems(off, headers)
+            quant = quantization_problems(off, headers)
             offenders += quant
             ok = ok and not quant
             scale = off[: -len(".weight")] + ".scale" if off.endswith(".weight") else None
             if scale in headers:
                 consumed.add(scale)
         if ok:
-            plan.append((nt, mapping, row))
+            plan.append((nt, mapping))
+    return plan, consumed, offenders
 
-    # Agree across ranks before any collective: which tensors some rank consumed, and every offender.
-    gathered = _all_gather((sorted(consumed), offenders, any(n.startswith("mtp.") for n in native_names)))
+
+def _judge_load(
+    ckpt: Path, headers: dict[str, Header], dups: dict[str, list[str]], native_names: list[str], gathered: list
+) -> LoadReport:
+    """Every rank's plan, agreed: the report of what loads, or one error listing every offender on any rank."""
     all_consumed = set().union(*(set(g[0]) for g in gathered))
     all_offenders = list(dict.fromkeys(o for g in gathered for o in g[1]))
     model_has_mtp = any(g[2] for g in gathered)
-
     report = LoadReport(native_filled=native_names)
     for name in headers:
         base = scale_base(name)
@@ -495,7 +377,7 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
         all_offenders.append(f"duplicated checkpoint tensor {name}: present {len(files)} times in {files}")
     report.missing = [o.split()[1] for o in all_offenders if o.startswith("missing ")]
     if all_offenders:
-        quant_only = all(o.startswith(_QUANT_PREFIXES) for o in all_offenders)
+        quant_only = all(o.startswith(QUANT_PREFIXES) for o in all_offenders)
         err = (QuantizationError if quant_only else CheckpointMappingError)(
             f"checkpoint {ckpt} does not match the native DeepSeek-V4 model ({len(all_offenders)} offenders); "
             "fix the checkpoint or build the model from its config.json:\n  " + "\n  ".join(all_offenders)
@@ -503,10 +385,23 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
         err.offenders = all_offenders
         err.report = report
         raise err
+    return report
 
-    state = _LazyState(ckpt, headers)
+
+def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir: str | Path) -> LoadReport:
+    """Strictly load an official-layout V4 checkpoint into native model chunks (collective over all ranks)."""
+    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+    ckpt = Path(ckpt_dir)
+    headers, dups = read_headers(ckpt)
+    natives = _native_tensors(chunks)
+    native_names = [nt.name for nt in natives]
+    plan, consumed, offenders = _plan_load(natives, headers)
+    # Agree across ranks before any collective: which tensors some rank consumed, and every offender.
+    gathered = _all_gather((sorted(consumed), offenders, any(n.startswith("mtp.") for n in native_names)))
+    report = _judge_load(ckpt, headers, dups, native_names, gathered)
+    state = LazyState(ckpt, headers)
     with torch.no_grad():
-        for nt, mapping, _row in plan:
+        for nt, mapping in plan:
             hf = _read_official(mapping.hf_param, state, nt.tensor.dtype)
             converted = mapping.hf_to_megatron(hf, nt.module)
             if converted.shape != nt.tensor.shape:  # defensive: validation should make this unreachable

@@ -1,0 +1,152 @@
+"""Reading an official-layout V4 checkpoint without loading it: safetensors headers (shape, dtype, file), a
+lazy tensor view, and the header-only checks of quantized weights and their ``.scale`` companions.
+
+Everything here reads headers only, so the strict load (:mod:`impl.conversion.bridge`) can judge a full-size
+checkpoint, agree across ranks and fail before any collective or any tensor read.
+"""
+
+from __future__ import annotations
+
+import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+
+# isort: split
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from impl.errors import CheckpointMappingError, CorruptCheckpointError
+
+try:  # Megatron-Bridge >= 0.5.0 dequantizes FP8 / MXFP4 checkpoint weights; 0.4.x has no such module.
+    from megatron.bridge.models.conversion.quantization_utils import maybe_dequantize_hf_quantized_weight
+except ModuleNotFoundError:
+    maybe_dequantize_hf_quantized_weight = None
+
+__all__ = [
+    "QUANT_PREFIXES",
+    "Header",
+    "LazyState",
+    "effective_shape",
+    "maybe_dequantize_hf_quantized_weight",
+    "quantization_problems",
+    "read_headers",
+]
+
+
+@dataclass(frozen=True)
+class Header:
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def read_headers(ckpt_dir: Path) -> tuple[dict[str, Header], dict[str, list[str]]]:
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointMappingError(f"no *.safetensors files in {ckpt_dir}; point at an official V4 checkpoint dir")
+    headers: dict[str, Header] = {}
+    seen: dict[str, list[str]] = {}
+    for f in files:
+        # The JSON header itself: it also reveals a name written twice within one file.
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                raw = json.loads(fh.read(n), object_pairs_hook=lambda kv: kv)
+            entries = [(name, dict(meta)) for name, meta in raw if name != "__metadata__"]
+            parsed = [(name, tuple(meta["shape"]), meta["dtype"]) for name, meta in entries]
+        except (ValueError, KeyError, TypeError, MemoryError) as exc:
+            raise CorruptCheckpointError(
+                f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc}); re-download or re-write it"
+            ) from exc
+        for name, shape, dtype in parsed:
+            seen.setdefault(name, []).append(f.name)
+            headers[name] = Header(f.name, shape, dtype)
+    dups = {n: fs for n, fs in seen.items() if len(fs) > 1}
+    return headers, dups
+
+
+class LazyState(Mapping[str, torch.Tensor]):
+    """Read-on-demand view of the checkpoint tensors (what the dequantizer indexes into)."""
+
+    def __init__(self, ckpt_dir: Path, headers: dict[str, Header]):
+        self._dir = ckpt_dir
+        self._headers = headers
+        self._handles: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        h = self._headers[name]
+        if h.file not in self._handles:
+            self._handles[h.file] = safe_open(str(self._dir / h.file), framework="pt")
+        return self._handles[h.file].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._headers)
+
+    def __len__(self) -> int:
+        return len(self._headers)
+
+
+def effective_shape(name: str, headers: dict[str, Header]) -> tuple[int, ...]:
+    """Logical shape of an official weight; MXFP4 (int8 + ``.scale``) packs two values per byte."""
+    h = headers[name]
+    if h.dtype == "I8" and len(h.shape) == 2:  # a missing scale is reported by quantization_problems
+        return (h.shape[0], h.shape[1] * 2)
+    return h.shape
+
+
+# UE8M0 (instruct) or F32 (*-Base) block scales: docs/reference/v4_architecture.md §3.3
+_SCALE_DTYPES = ("F8_E8M0", "F32")
+_PLAIN_DTYPES = ("F32", "BF16", "F16", "I64", "I32")
+_FP8_BLOCK, _MXFP4_BLOCK = 128, 32
+QUANT_PREFIXES = ("unscaled ", "bad scale ", "bad quantized weight ", "undequantizable ")
+
+
+def quantization_problems(name: str, headers: dict[str, Header]) -> list[str]:
+    problems = _scale_problems(name, headers)
+    if maybe_dequantize_hf_quantized_weight is None and headers[name].dtype in ("F8_E4M3", "I8"):
+        problems.append(
+            f"undequantizable {name}: {headers[name].dtype} weight, but this megatron-bridge has no "
+            "models.conversion.quantization_utils dequantizer (added in 0.5.0); use megatron-bridge>=0.5 "
+            "or store the checkpoint unquantized"
+        )
+    return problems
+
+
+def _scale_problems(name: str, headers: dict[str, Header]) -> list[str]:
+    """Header-only checks of one consumed weight and its ``.scale`` companion (Megatron-Bridge's dequantizer
+    silently casts an FP8 weight without a scale, and ignores a scale next to an unquantized weight)."""
+    h = headers[name]
+    scale = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+    sh = headers.get(scale) if scale else None
+    fix = (
+        "re-quantize it (FP8 E4M3 + 128x128 scales, or MXFP4 int8 + [out, in/32] UE8M0 scales) or store it unquantized"
+    )
+    if h.dtype in ("F8_E4M3", "I8"):
+        if sh is None:
+            return [f"unscaled {name}: {h.dtype} weight {h.shape} has no {scale} companion; {fix}"]
+        if len(h.shape) != 2:
+            return [f"bad quantized weight {name}: {h.dtype} needs 2 dims, got {h.shape}; {fix}"]
+        out_dim, in_dim = h.shape
+        if h.dtype == "F8_E4M3":
+            want = (-(-out_dim // _FP8_BLOCK), -(-in_dim // _FP8_BLOCK))
+        else:  # MXFP4: two e2m1 values per byte, one scale per 32 inputs
+            in_dim *= 2
+            if in_dim % _MXFP4_BLOCK:
+                return [f"bad quantized weight {name}: MXFP4 input dim {in_dim} is not a multiple of 32; {fix}"]
+            want = (out_dim, in_dim // _MXFP4_BLOCK)
+        problems = []
+        if sh.dtype not in _SCALE_DTYPES:
+            problems.append(f"bad scale {scale}: dtype {sh.dtype}, expected one of {_SCALE_DTYPES}; {fix}")
+        if sh.shape != want:
+            problems.append(f"bad scale {scale}: shape {sh.shape}, expected {want} for {h.dtype} {name} {h.shape}")
+        return problems
+    if h.dtype not in _PLAIN_DTYPES:
+        return [f"bad quantized weight {name}: dtype {h.dtype} is not supported; {fix}"]
+    if sh is not None:
+        return [f"bad scale {scale}: companion of unquantized {h.dtype} weight {name} (it would be ignored)"]
+    return []
