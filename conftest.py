@@ -50,13 +50,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--xfails-file",
         default=None,
-        help="known gaps: one node-id prefix per line ('# reason: ...' comments); matches get xfail(strict=True)",
+        help="known gaps: '<node-id prefix> <exception>' per line ('# reason: ...' comments); "
+        "matches get xfail(strict=True, raises=<exception>)",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Under -n 2 on a 2-core host each worker owns one core; torch's default threading oversubscribes it
-    # (measured 3-4x slower). DSV4_TORCH_THREADS overrides.
+    # (docs/performance.md). DSV4_TORCH_THREADS overrides.
     import torch
 
     torch.set_num_threads(int(os.environ.get("DSV4_TORCH_THREADS", "1")))
@@ -125,36 +126,72 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _apply_xfails_file(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the node ids listed in --xfails-file xfail(strict=True).
+    """Mark the node ids listed in --xfails-file xfail(strict=True, raises=<the exception the line names>).
 
-    Format: ``# reason: ...`` sets the reason for the prefixes below it; other ``#`` lines are comments. A line
-    whose file was collected but that matches no test is an error (a typo or a renamed test); lines for files
-    outside this run's selection are ignored, so the file also works for a subset.
+    Format: one ``<node-id prefix> <exception>`` per line. The exception is a builtin name (``ModuleNotFoundError``),
+    ``impl.<Name>`` (that name in the implementation under test, as ``--impl`` / ``DSV4_IMPL`` resolves it) or a
+    dotted ``module.Name``. ``# reason: ...`` sets the reason for the lines below it; other ``#`` lines are comments.
+    A listed test that passes, or fails with another exception, fails the run. A line without a known exception
+    type, or whose file was collected but that matches no test (a typo or a renamed test), is a usage error; lines
+    for files outside this run's selection are ignored, so the file also works for a subset.
     """
     path = config.getoption("xfails_file")
     if not path:
         return
-    reason, entries = "listed in " + path, []
-    with open(path) as fh:
-        for line in fh:
-            line = line.strip()
-            if line.startswith("# reason:"):
-                reason = line.removeprefix("# reason:").strip()
-            elif line and not line.startswith("#"):
-                entries.append((line, reason))
+    entries = _read_xfails_file(config, path)
     files = {item.nodeid.split("::")[0] for item in items}
     unmatched = [
         prefix
-        for prefix, _ in entries
+        for prefix, _, _ in entries
         if prefix.split("::")[0] in files and not any(item.nodeid.startswith(prefix) for item in items)
     ]
     if unmatched:
         raise pytest.UsageError(f"{path}: entries that match no collected test:\n  " + "\n  ".join(unmatched))
     for item in items:
-        for prefix, why in entries:
+        for prefix, raises, why in entries:
             if item.nodeid.startswith(prefix):
-                item.add_marker(pytest.mark.xfail(reason=why, strict=True))
+                item.add_marker(pytest.mark.xfail(reason=why, strict=True, raises=raises))
                 break
+
+
+def _read_xfails_file(config: pytest.Config, path: str) -> list[tuple[str, type[BaseException], str]]:
+    """``(node-id prefix, expected exception type, reason)`` per entry line of an xfails file."""
+    reason, entries = "listed in " + path, []
+    with open(path) as fh:
+        for number, line in enumerate(fh, start=1):
+            line = line.strip()
+            if line.startswith("# reason:"):
+                reason = line.removeprefix("# reason:").strip()
+            elif line and not line.startswith("#"):
+                fields = line.rsplit(None, 1)
+                if len(fields) != 2:
+                    raise pytest.UsageError(
+                        f"{path}:{number}: '{line}' names no expected exception; write '<node-id prefix> <exception>'"
+                    )
+                prefix, name = fields
+                entries.append((prefix, _exception_type(config, name, f"{path}:{number}"), f"{reason} ({name})"))
+    return entries
+
+
+def _exception_type(config: pytest.Config, name: str, where: str) -> type[BaseException]:
+    """The exception class an xfails line names: a builtin, ``impl.<Name>`` (the implementation under test) or a
+    dotted ``module.Name``."""
+    import builtins
+    import importlib
+
+    module, _, attr = name.rpartition(".")
+    try:
+        if not module:
+            value = getattr(builtins, attr)
+        elif module == "impl":
+            value = getattr(load_impl(resolve_impl_name(config.getoption("impl"))).module, attr)
+        else:
+            value = getattr(importlib.import_module(module), attr)
+    except (AttributeError, ImportError) as exc:
+        raise pytest.UsageError(f"{where}: cannot find the exception {name!r}: {exc}") from None
+    if not (isinstance(value, type) and issubclass(value, BaseException)):
+        raise pytest.UsageError(f"{where}: {name!r} is not an exception type")
+    return value
 
 
 @pytest.fixture(scope="session")

@@ -95,6 +95,8 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.conversion.mapping": (
         "MAPPING_TABLE",
         "MappingRow",
+        "MappingTableError",
+        "check_mapping_table",
         "lookup_native",
         "lookup_official",
     ),
@@ -195,7 +197,7 @@ _NEEDS_MEGATRON = {
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
-__all__ = sorted([*_WHERE, "__version__", "compat_report", "errors", "load_all"])
+__all__ = sorted([*_WHERE, "__version__", "compat_report", "errors"])
 
 
 def compat_report():
@@ -220,9 +222,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-def load_all() -> None:
-    """Import every public module now (used to move import cost out of timed regions)."""
-    for name in _WHERE:
-        __getattr__(name)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from peft import PeftModel
 
+import fixtures.asserts as ah
 from fixtures.e2e_rank_fns import case_ids, oracle_logits, run_e2e, trained_case
 from tiny_models.checkpoint import load_oracle
 from tiny_models.presets import get_preset, min_seq_len
@@ -41,11 +42,12 @@ def _assert_peft_matches(layout, results, ckpt, adapter_dir, *, how: str, load=N
     native = _native_logits(results.ranks)
     assert native, f"{layout}: no rank returned logits"
     for rank, got in native:
-        diff = (got - want).abs().max().item()
-        print(f"{layout} rank {rank} {how}: max|Δ|={diff:.3e} (effect {effect:.2e})")
-        assert diff <= LOGIT_TOL, (
-            f"{layout} rank {rank}: native logits differ from PEFT ({how}) on the exported adapter by "
-            f"max|Δ|={diff:.3e} > {LOGIT_TOL}"
+        ah.assert_close(
+            got,
+            want,
+            atol=LOGIT_TOL,
+            name=f"native logits vs PEFT ({how}) on the exported adapter",
+            context=f"{layout} rank {rank}, adapter effect {effect:.2e}",
         )
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import textwrap
 
 import pytest
+import torch
 
 from fixtures.subproc import REPO_ROOT, run_python
 
@@ -21,14 +23,25 @@ _LOAD = textwrap.dedent(
 ).format(root=REPO_ROOT)
 
 
-def test_stub_is_active_without_real_transformer_engine(impl):
-    assert impl.compat_report().te_stub is True
+def _real_transformer_engine_on_path() -> bool:
+    """Whether a real ``transformer_engine`` is importable, asked of the path finder alone: the stub is a
+    ``sys.meta_path`` finder, so this answer does not depend on whether it is installed."""
+    return importlib.machinery.PathFinder.find_spec("transformer_engine") is not None
+
+
+def test_stub_is_active_exactly_when_real_transformer_engine_is_missing(impl):
+    te_missing = not _real_transformer_engine_on_path()
+    assert impl.compat_report().te_stub is te_missing, (
+        f"te_stub={impl.compat_report().te_stub}, TE missing={te_missing}"
+    )
     import transformer_engine
 
-    assert getattr(transformer_engine, "__te_stub__", False) is True
+    assert getattr(transformer_engine, "__te_stub__", False) is te_missing, transformer_engine
 
 
 def test_stubbed_transformer_engine_class_raises_clear_error(impl):
+    if _real_transformer_engine_on_path():
+        pytest.skip("a real transformer_engine is installed here, so the stub is (rightly) not active")
     impl.compat_report()
     import transformer_engine.pytorch as te
 
@@ -79,15 +92,49 @@ def test_cpu_shims_are_inactive_when_cuda_is_available():
     assert "cuda-untouched" in out.stdout
 
 
-def test_cpu_shims_are_active_here_and_seed_megatron_rng(impl):
-    import torch
+def _megatron_draws(seed: int, tp_rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seed megatron's RNG for one (tp, ep=0, etp=0) rank; return draws from its tensor-parallel state (under the
+    tracker's fork) and then from the default state."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
-    assert impl.compat_report().cpu_shims is (not torch.cuda.is_available())
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+    with get_cuda_rng_tracker().fork():
+        forked = torch.rand(16, device=device).cpu()
+    return forked, torch.rand(16, device=device).cpu()
 
-    assert torch.cuda.current_device() == torch.device("cpu")
-    tracker = get_cuda_rng_tracker()
-    assert tracker is not None
+
+def test_cpu_shims_are_active_exactly_without_cuda_and_seed_megatron_rng(impl):
+    """Megatron's seeding (``model_parallel_cuda_manual_seed`` + the tracker's ``fork``) works on this host: the
+    same seed replays the same draws, another seed or tensor-parallel rank draws differently, the tensor-parallel
+    state is not the default one, and leaving the fork resumes the default state where seeding left it."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    cuda = torch.cuda.is_available()
+    assert impl.compat_report().cpu_shims is (not cuda), f"cpu_shims={impl.compat_report().cpu_shims}, cuda={cuda}"
+    if cuda:
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        assert torch.cuda.current_device() == torch.device("cpu")
+        device = torch.device("cpu")
+    saved_tracker, saved_cpu = get_cuda_rng_tracker().get_states(), torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state() if cuda else None
+    try:
+        forked, after = _megatron_draws(1234, 0, device)
+        again_forked, again_after = _megatron_draws(1234, 0, device)
+        other_seed, _ = _megatron_draws(4321, 0, device)
+        other_rank, _ = _megatron_draws(1234, 1, device)
+        model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)  # the same seed, no fork
+        default_only = torch.rand(16, device=device).cpu()
+    finally:
+        get_cuda_rng_tracker().set_states(saved_tracker)
+        torch.set_rng_state(saved_cpu)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state(saved_cuda)
+    assert torch.equal(forked, again_forked) and torch.equal(after, again_after), "one seed, two different streams"
+    assert not torch.equal(forked, other_seed), "seeds 1234 and 4321 drew the same tensor-parallel numbers"
+    assert not torch.equal(forked, other_rank), "tensor-parallel ranks 0 and 1 drew the same numbers"
+    assert not torch.equal(forked, after), "the forked tensor-parallel state is the default state"
+    assert torch.equal(after, default_only), "forking the tracker moved the default state"
 
 
 def test_mla_fix_is_skipped_when_upstream_accepts_k_channels():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import fixtures.asserts as ah
 from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
 from fixtures.e2e_rank_fns import FIVE_TARGETS, LoraE2ECase, case_ids, merged_oracle, oracle_logits, rank_lora_e2e
 from fixtures.multirank import IMPL_PRELOAD, destroy_megatron_parallel, launched_world, run_ranks
@@ -107,5 +108,6 @@ def test_trained_lora_logits_equal_merged_oracle_under_nccl(impl, ckpt, layout, 
     assert with_logits, f"{name}: no rank returned logits (last pipeline stage missing?)"
     for r in with_logits:
         got = torch.from_numpy(r.payload["logits"])
-        diff = (got - want).abs().max().item()
-        assert diff <= LOGIT_TOL, f"{name} rank {r.rank}: LoRA logits vs merged oracle max|Δ|={diff:.3e} > {LOGIT_TOL}"
+        ah.assert_close(
+            got, want, atol=LOGIT_TOL, name="LoRA logits vs the merged oracle", context=f"{name} rank {r.rank}"
+        )

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import fixtures.asserts as ah
 from fixtures.e2e_rank_fns import FIVE_TARGETS, case_ids, merged_oracle, oracle_logits, run_e2e, trained_case
 from tiny_models.checkpoint import load_oracle
 from tiny_models.presets import get_preset, min_seq_len
@@ -38,11 +39,10 @@ def test_lora_logits_equal_oracle_with_merged_five_target_adapter(impl, tiny_ckp
     effect = (want - base).abs().max().item()
     assert effect > MIN_ADAPTER_EFFECT, f"{layout}: the merged adapter moves the oracle logits by only {effect:.2e}"
     for r in results:
-        got = torch.from_numpy(r.payload["logits"])
-        assert got.shape == want.shape, f"{layout} rank {r.rank}: logits {tuple(got.shape)} vs {tuple(want.shape)}"
-        diff = (got - want).abs().max().item()
-        print(f"{layout} rank {r.rank}: max|Δ| vs merged oracle = {diff:.3e} (adapter effect {effect:.2e})")
-        assert diff <= LOGIT_TOL, (
-            f"{layout} rank {r.rank}: native LoRA logits differ from the merged oracle by max|Δ|={diff:.3e} > "
-            f"{LOGIT_TOL} (adapter effect {effect:.2e})"
+        ah.assert_close(
+            torch.from_numpy(r.payload["logits"]),
+            want,
+            atol=LOGIT_TOL,
+            name="native LoRA logits vs the merged oracle",
+            context=f"{layout} rank {r.rank}, adapter effect {effect:.2e}",
         )

@@ -1,6 +1,9 @@
 """The checkpoint-name table: one meaning per name, Megatron-Bridge mapping class per group, V4 rows win."""
 
+import itertools
 import re
+from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -112,14 +115,80 @@ def test_v4_rows_win_over_generic_deepseek_rows(impl):
     assert ours.megatron_to_hf_lookup(fc2).hf_param == "layers.3.ffn.experts.1.w2.weight"
 
 
+class _Claims:
+    """The suite's own reading of a table: which rows claim a name. ``*`` is one whole segment of ASCII digits, every
+    other segment is literal. A name is looked up under each way of replacing its digit segments by ``*``, in a
+    count of patterns, so a duplicated row or a row with a literal index (``layers.3.``) overlapping a wildcard row
+    (``layers.*.``) counts twice; patterns with a ``*`` inside a segment are matched one by one."""
+
+    def __init__(self, table, side: str):
+        self.patterns: Counter[str] = Counter()
+        self.odd: list[tuple[re.Pattern[str], str]] = []
+        for row in table:
+            for pattern in row.official_names if side == "official" else (row.native,):
+                if all(seg == "*" or "*" not in seg for seg in pattern.split(".")):
+                    self.patterns[pattern] += 1
+                else:
+                    regex = "[.]".join(
+                        "[0-9]+" if s == "*" else re.escape(s).replace(r"\*", "[0-9]+") for s in pattern.split(".")
+                    )
+                    self.odd.append((re.compile(regex), pattern))
+
+    def count(self, name: str) -> int:
+        segs = name.split(".")
+        digits = [i for i, seg in enumerate(segs) if seg.isascii() and seg.isdigit()]
+        n = 0
+        for stars in itertools.product((False, True), repeat=len(digits)):
+            variant = list(segs)
+            for i, star in zip(digits, stars, strict=True):
+                if star:
+                    variant[i] = "*"
+            n += self.patterns.get(".".join(variant), 0)
+        return n + sum(1 for regex, _ in self.odd if regex.fullmatch(name))
+
+
 def test_every_flash_name_resolves_both_ways_exactly_once(impl):
+    official_claims, native_claims = _Claims(impl.MAPPING_TABLE, "official"), _Claims(impl.MAPPING_TABLE, "native")
     for spec in manifest(flash_config(), with_scales=False):
+        assert official_claims.count(spec.name) == 1, f"official {spec.name}: {official_claims.count(spec.name)} rows"
         fwd = impl.lookup_official(spec.name)
         assert fwd is not None, f"official {spec.name} unmapped"
         official, _, native, _ = fwd
         assert official == spec.name, f"{spec.name} resolved as {official}"
+        assert native_claims.count(native) == 1, f"native {native} ({spec.name}): {native_claims.count(native)} rows"
         back = impl.lookup_native(native)
         assert back is not None and back[0] == native and spec.name in back[2], f"{spec.name} -> {native} -> {back}"
+
+
+WQ_A = "decoder.layers.*.self_attention.wq_a.weight"
+# A second row that claims a name some row already claims: (the extra row, the side, that name).
+OVERLAPS = {
+    "a duplicated row": lambda row: (row, "native", "decoder.layers.3.self_attention.wq_a.weight"),
+    "a literal official index over a wildcard": lambda row: (
+        replace(row, official="layers.3.attn.wq_a.weight", native="decoder.layers.3.self_attention.wq_a2.weight"),
+        "official",
+        "layers.3.attn.wq_a.weight",
+    ),
+    "a literal native index over a wildcard": lambda row: (
+        replace(row, official="layers.3.attn.wq_a2.weight", native="decoder.layers.3.self_attention.wq_a.weight"),
+        "native",
+        "decoder.layers.3.self_attention.wq_a.weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("overlap", OVERLAPS.values(), ids=list(OVERLAPS))
+def test_a_second_row_claiming_a_name_is_counted_and_refused_by_the_table_check(impl, overlap):
+    """The exactly-once count above can fail: on a copy of the table with a second row claiming one name it counts
+    two, and the implementation's own table check refuses that copy."""
+    (row,) = [r for r in impl.MAPPING_TABLE if r.native == WQ_A]
+    extra, side, name = overlap(row)
+    copy = (*impl.MAPPING_TABLE, extra)
+    assert _Claims(impl.MAPPING_TABLE, side).count(name) == 1, f"{side} {name} in the real table"
+    assert _Claims(copy, side).count(name) == 2, f"the count missed the second {side} claim on {name}"
+    impl.check_mapping_table(impl.MAPPING_TABLE)
+    with pytest.raises(impl.MappingTableError):
+        impl.check_mapping_table(copy)
 
 
 def test_mtp_rows_are_generated_from_the_layer_template(impl):

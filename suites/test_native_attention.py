@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import fixtures.asserts as ah
 from fixtures.multirank import init_megatron_parallel, run_ranks
 from fixtures.native_weights import ensure_single_rank_megatron
 
@@ -169,8 +170,7 @@ def test_output_matches_transformers_attention(impl, megatron_world, kind, with_
         expected = _oracle_forward(ref, hf, x, positions, with_cache=with_cache)
         got = native(x, positions)
     assert got.shape == expected.shape == x.shape
-    err = (got - expected).abs().max().item()
-    assert err <= ATOL, f"{kind} layer {layer}: max|native - transformers| = {err:.3e} > {ATOL}"
+    ah.assert_close(got, expected, atol=ATOL, name="attention output vs transformers", context=f"{kind} layer {layer}")
 
 
 def test_one_dimensional_position_ids_broadcast_over_the_batch(impl, megatron_world):
@@ -181,8 +181,7 @@ def test_one_dimensional_position_ids_broadcast_over_the_batch(impl, megatron_wo
     with torch.no_grad():
         expected = _oracle_forward(ref, hf, x, positions, with_cache=False)
         got = native(x, positions[0])
-    err = (got - expected).abs().max().item()
-    assert err <= ATOL, f"position_ids [S]: max|Δ| = {err:.3e}"
+    ah.assert_close(got, expected, atol=ATOL, name="attention output", context="position_ids of shape [S]")
 
 
 def test_indexer_keeps_only_top_k_of_the_visible_compressed_entries(impl, megatron_world):
@@ -238,8 +237,10 @@ def test_output_matches_transformers_for_other_rope_widths(impl, megatron_world,
         native = _build(impl, hf, layer, ref)
         x, positions = _inputs(hf, seed=layer)
         with torch.no_grad():
-            err = (native(x, positions) - _oracle_forward(ref, hf, x, positions, with_cache=False)).abs().max().item()
-        assert err <= ATOL, f"rope {rope_dim}, {kind} layer {layer}: max|Δ| = {err:.3e}"
+            got, expected = native(x, positions), _oracle_forward(ref, hf, x, positions, with_cache=False)
+        ah.assert_close(
+            got, expected, atol=ATOL, name="attention output", context=f"rope {rope_dim}, {kind} layer {layer}"
+        )
 
 
 @pytest.mark.parametrize("kind", list(LAYERS))
@@ -262,8 +263,8 @@ def test_gradients_are_finite_and_match_transformers(impl, megatron_world, kind)
         assert param.grad is not None, f"{kind}: {name} has no gradient"
         assert bool(torch.isfinite(param.grad).all()), f"{kind}: {name} has a non-finite gradient"
         assert float(param.grad.abs().max()) > 0, f"{kind}: {name} has an all-zero gradient"
-        err = (param.grad - expected).abs().max().item()
-        assert err <= ATOL * max(1.0, float(expected.abs().max())), f"{kind}: grad {name} max|Δ| = {err:.3e}"
+        scale = max(1.0, float(expected.abs().max()))  # the tolerance is relative to the gradient's size
+        ah.assert_close(param.grad, expected, atol=ATOL * scale, name=f"grad {name}", context=kind)
 
 
 def test_grouped_wo_a_is_block_diagonal(impl):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fixtures.asserts as ah
 from fixtures.impl_loader import load_impl
 from fixtures.multirank import init_megatron_parallel, run_ranks
 from fixtures.native_weights import (
@@ -76,7 +77,7 @@ def test_hyper_connection_pre_matches_oracle(native, mixed):
     )
     for what, got, ref in (("post", post, post_ref), ("comb", comb, comb_ref), ("collapsed", u, u_ref)):
         assert got.dtype == ref.dtype, f"hc_pre {what}: dtype {got.dtype} != oracle {ref.dtype}"
-        assert _maxdiff(got, ref) <= UNIT_TOL, f"hc_pre {what}: max|Δ|={_maxdiff(got, ref):.3e} vs attn_hc"
+        ah.assert_close(got, ref, atol=UNIT_TOL, name=f"hc_pre {what} vs attn_hc")
     # comb must not be symmetric, or hc_post's transpose (sum over the first index) would go untested.
     assert _maxdiff(comb, comb.transpose(-1, -2)) > 1e-3, "comb is symmetric: hc_post direction is not exercised"
 
@@ -89,7 +90,7 @@ def test_hyper_head_matches_oracle(native, mixed):
         head.hc_head_base.copy_(ref_mod.hc_base)
         head.hc_head_scale.copy_(ref_mod.hc_scale)
     x = torch.randn(2, 7, mixed.config.hc_mult, mixed.config.hidden_size, generator=torch.Generator().manual_seed(6))
-    assert _maxdiff(head(x), ref_mod(x)) <= UNIT_TOL, "decoder.hc_head_params collapse differs from hc_head"
+    ah.assert_close(head(x), ref_mod(x), atol=UNIT_TOL, name="decoder.hc_head_params collapse vs hc_head")
 
 
 # --------------------------------------------------------------------------------------------------------- MoE
@@ -110,7 +111,7 @@ def test_moe_block_matches_oracle(native, mixed, layer):
     with torch.no_grad():
         ref = hf_moe(x, input_ids=ids)
         got = moe(x, ids)
-    assert _maxdiff(got, ref) <= UNIT_TOL, f"MoE layer {layer}: max|Δ|={_maxdiff(got, ref):.3e} vs oracle"
+    ah.assert_close(got, ref, atol=UNIT_TOL, name="MoE output vs the oracle", context=f"layer {layer}")
 
 
 def test_expert_parameters_are_marked_expert_parallel(native, mixed):
@@ -133,9 +134,7 @@ def test_full_model_logits_match_oracle(native, preset):
         ref = hf(ids).logits
         got = model(ids)
     assert got.shape == ref.shape and got.dtype == torch.float32, f"{preset}: logits {got.shape} {got.dtype}"
-    diff = _maxdiff(got, ref)
-    print(f"{preset}: max|Δlogits|={diff:.3e} (scale {ref.abs().max().item():.2f})")
-    assert diff <= LOGIT_TOL, f"{preset}: native logits differ from the oracle by {diff:.3e} > {LOGIT_TOL}"
+    ah.assert_close(got, ref, atol=LOGIT_TOL, name="native logits vs the oracle", context=preset)
 
 
 def test_per_token_loss_matches_oracle_cross_entropy(native, mixed):
@@ -146,7 +145,7 @@ def test_per_token_loss_matches_oracle_cross_entropy(native, mixed):
         ref = F.cross_entropy(mixed(ids).logits.flatten(0, 1), labels.flatten(), reduction="none").view(2, 48)
         got = model(ids, labels=labels)
     assert got.shape == (2, 48), f"per-token loss has shape {tuple(got.shape)}"
-    assert _maxdiff(got, ref) <= LOGIT_TOL, f"per-token loss max|Δ|={_maxdiff(got, ref):.3e}"
+    ah.assert_close(got, ref, atol=LOGIT_TOL, name="per-token loss vs the oracle's cross entropy")
 
 
 def test_pipeline_stages_chain_to_the_oracle_logits(native, mixed):
@@ -164,7 +163,7 @@ def test_pipeline_stages_chain_to_the_oracle_logits(native, mixed):
         last.set_input_tensor(streams)
         got = last(ids)
         ref = mixed(ids).logits
-    assert _maxdiff(got, ref) <= LOGIT_TOL, f"two-stage logits max|Δ|={_maxdiff(got, ref):.3e}"
+    ah.assert_close(got, ref, atol=LOGIT_TOL, name="two-stage logits vs the oracle")
 
 
 def test_native_parameter_names_and_dtypes_follow_design(native, mixed):

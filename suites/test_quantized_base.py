@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import fixtures.asserts as ah
 from fixtures.native_weights import ensure_single_rank_megatron
 from tiny_models.quantize import dequantize_state, quant_config, write_quantized_checkpoint
 
@@ -19,12 +20,6 @@ def quantized(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     write_quantized_checkpoint(None, out, seed=5, scale_dtype=scale_dtype, experts=experts)
     return request.param, out, load_file(str(out / "model.safetensors"))
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.view(torch.uint8))
-    )
 
 
 def test_checkpoint_has_multi_block_scales_and_the_requested_formats(quantized):
@@ -51,9 +46,11 @@ def test_reference_dequantization_equals_megatron_bridges_dequantizer(impl, quan
     assert quantized_names, f"{variant}: nothing quantized"
     for name in quantized_names:
         theirs = maybe_dequantize_hf_quantized_weight(name, state, dtype=torch.float32)
-        assert _bits_equal(theirs, reference[name]), (
-            f"{variant}: {name} ({state[name].dtype}) dequantizes differently from Megatron-Bridge: "
-            f"max|Δ|={(theirs - reference[name]).abs().max().item():.3e}"
+        ah.assert_bitwise_equal(
+            theirs,
+            reference[name],
+            name=f"{name} ({state[name].dtype}) dequantized by Megatron-Bridge",
+            context=variant,
         )
 
 
@@ -69,8 +66,9 @@ def test_loaded_native_weights_equal_the_dequantized_values(impl, quantized):
     exported = impl.export_official_state([model])
     assert set(exported) == set(reference), f"{variant}: export names differ: {set(exported) ^ set(reference)}"
     for name, want in reference.items():
-        assert _bits_equal(exported[name], want.to(exported[name].dtype) if want.is_floating_point() else want), (
-            f"{variant}: native value of {name} != dequantized checkpoint value"
+        want = want.to(exported[name].dtype) if want.is_floating_point() else want
+        ah.assert_bitwise_equal(
+            exported[name], want, name=f"native value of {name} vs the dequantized one", context=variant
         )
     # And directly on native parameters: the fused expert fc1 is cat(w1, w3) of the dequantized halves.
     params = dict(model.named_parameters())
@@ -171,15 +169,14 @@ def test_merged_export_from_a_quantized_base_is_the_fp32_merge_cast_once(impl, q
             base_dtype = params[f"{stem}.to_wrap.weight"].dtype
             want = (reference[off].float() + (LORA_ALPHA / LORA_R) * (b.float() @ a.float())).to(base_dtype)
             assert not torch.equal(want, reference[off].to(base_dtype)), f"{variant}: {off}: the delta is zero"
-            assert _bits_equal(merged[off], want), (
-                f"{variant}: merged {off} != fp32 merge of the dequantized base: "
-                f"max|Δ|={(merged[off].float() - want.float()).abs().max().item():.3e}"
+            ah.assert_bitwise_equal(
+                merged[off], want, name=f"merged {off} vs the fp32 merge of the dequantized base", context=variant
             )
             targeted.add(off)
     for name in set(reference) - targeted:
         want = reference[name]
         want = want.to(merged[name].dtype) if want.is_floating_point() else want
-        assert _bits_equal(merged[name], want), f"{variant}: untargeted {name} changed in the merged export"
+        ah.assert_bitwise_equal(merged[name], want, name=f"untargeted {name} in the merged export", context=variant)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8], ids=str)

@@ -292,7 +292,7 @@ PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:ra
 
 
 def test_gpu_suites_collect_on_a_cpu_host_and_skip_with_the_cuda_reason():
-    """One subprocess (collection costs ~30 s on a loaded host): every expected id is collected and skipped."""
+    """One subprocess (collection is slow, docs/performance.md): every expected id is collected and skipped."""
     result = run([*PYTEST, "-v", "-rs", "-m", "gpu or gpu32", "suites/test_gpu.py", "suites/test_gpu32.py"],
                  timeout=180)  # fmt: skip
     assert result.returncode == 0, f"pytest -m 'gpu or gpu32' failed:\n{result.stdout[-4000:]}\n{result.stderr[-3000:]}"

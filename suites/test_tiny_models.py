@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, note
 from safetensors.torch import load_file
 
+import fixtures.asserts as ah
 from fixtures.strategies import v4_configs
 from tiny_models.checkpoint import (
     build_random_model,
@@ -68,7 +69,7 @@ def test_checkpoint_loads_into_transformers_and_reproduces_in_memory_logits_exac
         want, got = reference(ids).logits, oracle(ids).logits
     assert torch.isfinite(want).all(), f"{preset}: in-memory logits are not finite"
     assert want.std() > 0.1, f"{preset}: logits nearly constant (std {want.std():.3g}); the random init is degenerate"
-    assert torch.equal(want, got), f"{preset}: loaded logits differ, max |d| = {(want - got).abs().max():.3g}"
+    ah.assert_close(got, want, atol=0.0, name="logits of the reloaded checkpoint", context=preset)
 
 
 def test_checkpoint_holds_mtp_tensors_transformers_ignores(tiny_ckpt_factory):

@@ -90,10 +90,3 @@ def install_if_absent() -> bool:
         return False
     sys.meta_path.insert(0, _StubFinder())
     return True
-
-
-def uninstall() -> None:
-    """Remove the stub and any stub modules (used by tests that simulate a real TE)."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _StubFinder)]
-    for name in [n for n, m in sys.modules.items() if getattr(m, "__te_stub__", False)]:
-        del sys.modules[name]

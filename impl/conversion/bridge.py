@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.bridge.models.conversion import model_bridge as _mb
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
-from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge, register_bridge_implementation
 from megatron.bridge.models.conversion.param_mapping import (
     AutoMapping,
     ColumnParallelMapping,
@@ -55,6 +54,12 @@ from safetensors import safe_open
 from torch import nn
 
 from impl.adapter.gather import gather_adapter_state
+from impl.compat.megatron_bridge import (
+    detect_parallelism,
+    registered_model_bridge,
+    replicate_over_tensor_parallel,
+    restore_model_bridge,
+)
 from impl.conversion.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
 from impl.errors import CheckpointMappingError, ConversionOnlyBridgeError, CorruptCheckpointError, QuantizationError
 
@@ -102,7 +107,7 @@ def mapping_for_row(row: MappingRow) -> MegatronParamMapping:
 def _untp(row: MappingRow, mapping: MegatronParamMapping) -> MegatronParamMapping:
     if row.semantics == "replicated_gated_mlp":
         # The native shared expert is a plain replicated module: no TP group means tp_size 1 (concat / split only).
-        mapping._tp_group = None
+        return replicate_over_tensor_parallel(mapping)
     return mapping
 
 
@@ -158,15 +163,13 @@ def register() -> bool:
         target = _native_model_class()
     except ImportError:
         return False
-    exact = _mb.get_model_bridge._exact_types
-    previous = exact.get(SOURCE)
+    previous = registered_model_bridge(SOURCE)
     ours_before = getattr(previous, "__name__", "") == f"_bridge_with_{DeepseekV4ConversionBridge.__name__}"
-    _mb.register_bridge_implementation(source=SOURCE, target=target, bridge_class=DeepseekV4ConversionBridge)
+    register_bridge_implementation(source=SOURCE, target=target, bridge_class=DeepseekV4ConversionBridge)
     DeepseekV4ConversionBridge.SOURCE_NAME = SOURCE
     DeepseekV4ConversionBridge.MODEL_TYPE = "deepseek_v4"
     if previous is not None and not ours_before:
-        exact[SOURCE] = previous  # keep upstream serving AutoBridge / GPTModel
-        _mb.get_model_bridge._dispatch_cache.clear()
+        restore_model_bridge(SOURCE, previous)  # keep upstream serving AutoBridge / GPTModel
     return True
 
 
@@ -395,7 +398,7 @@ def _expected_official_shapes(nt: _NativeTensor, row: MappingRow, mapping: Megat
     tp = _tp_size_of(mapping)
     sem = row.semantics
     if sem == "auto":
-        sem = {"column": "column", "row": "row"}.get(mapping._detect_parallelism_type(nt.module), "replicated")
+        sem = {"column": "column", "row": "row"}.get(detect_parallelism(mapping, nt.module), "replicated")
     if sem in ("column", "vocab"):
         return [(local[0] * tp, *local[1:])]
     if sem in ("row", "expert_row"):

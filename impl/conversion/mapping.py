@@ -72,6 +72,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from impl.errors import Dsv4Error
+
 __all__ = [
     "GROUPS",
     "MAPPING_TABLE",
@@ -80,6 +82,7 @@ __all__ = [
     "MappingTableError",
     "NativeMatch",
     "OfficialMatch",
+    "check_mapping_table",
     "expected_official_names",
     "fill",
     "lookup_native",
@@ -115,7 +118,7 @@ GROUPS = (
 GATED_ROLES = ("gate", "up")
 
 
-class MappingTableError(ValueError):
+class MappingTableError(Dsv4Error, ValueError):
     """The table itself is malformed (duplicate / ambiguous pattern, bad semantics or group)."""
 
 
@@ -351,12 +354,19 @@ def _build_index(table: Iterable[MappingRow]) -> tuple[dict[str, _Entry], dict[s
     return official, native
 
 
+def check_mapping_table(table: Iterable[MappingRow]) -> None:
+    """Raise :class:`MappingTableError` unless every official and native name is claimed by at most one row of
+    ``table`` (no duplicate pattern, no literal index segment, ``*`` only as a whole inner segment) and every row's
+    semantics, group and wildcards agree. The module's own table passes this check at import."""
+    _build_index(table)
+
+
 _OFFICIAL_INDEX, _NATIVE_INDEX = _build_index(MAPPING_TABLE)
 
 
 # Results are plain tuples, unpacked by callers (``official, row, native, role = hit``): a tuple comes from the
-# interpreter's free list, a NamedTuple instance is a heap-type allocation and deallocation (285 vs 91 ns per result
-# here), which was a fifth of a routed-expert lookup.
+# interpreter's free list, a NamedTuple instance is a heap-type allocation and deallocation, a sizeable share of a
+# routed-expert lookup (figures: docs/performance.md).
 OfficialMatch = tuple[str, MappingRow, str, str | None]
 """``(official, row, native, role)``: an official name, its row, the (global-index) native name it loads into, and
 ``"gate"`` / ``"up"`` for gated rows (else None)."""

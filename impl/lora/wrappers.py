@@ -34,6 +34,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
+from impl.compat.megatron_bridge import adapter_enabled
 from impl.errors import GroupedLoRAError, MultiLoRAUnsupportedError, TargetError
 from impl.lora.targets import bridge_pattern_matches, qualify_exclusions, qualify_targets
 from impl.lora.vocabulary import TARGET_TABLE
@@ -138,7 +139,7 @@ def apply_grouped_wo_a(
             )
 
     out = torch.einsum("...gd,grd->...gr", x_grouped, weight.view(groups, group_out, per_group_in))
-    if adapter is None or not module._adapter_enabled:
+    if adapter is None or not adapter_enabled(module):
         return out
 
     h = adapter.dropout(x_grouped) if adapter.dropout_position == "pre" else x_grouped
@@ -168,7 +169,7 @@ class ReplicatedLoRALinear(LoRALinear):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.to_wrap(x)
-        if not self._adapter_enabled:
+        if not adapter_enabled(self):
             return out
         return out + self.adapter(x.contiguous()).reshape(out.shape)
 

@@ -1,6 +1,7 @@
 """The native DeepSeek-V4 graph on Megatron-Core: config, attention stack, hyper-connections, MoE, layers, model.
 
-Importing this package does not install the CPU compat layer; import ``impl`` (which does) first.
+Importing this package installs the CPU compat layer first (``impl.compat.active``), as every module that imports
+megatron does.
 """
 
 import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
