@@ -154,7 +154,6 @@ def test_a_staged_config_that_differs_from_the_built_one_is_never_published(api,
     earlier export stays as it was."""
     import json
     import os
-    from pathlib import Path
 
     out = tmp_path / "adapter"
     api.export_adapter(api.AdapterState(_good(), r=R, alpha=8.0), out)
@@ -162,12 +161,14 @@ def test_a_staged_config_that_differs_from_the_built_one_is_never_published(api,
     real_fsync, tampered = os.fsync, []
 
     def fsync_then_tamper(fd: int) -> None:
+        """Once a config other than the published one exists under the destination's parent (the staged one,
+        whatever the exporter calls its staging area), rewrite it with another lora_alpha."""
         real_fsync(fd)
-        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
-        if path.name == "adapter_config.json" and not tampered:
-            config = json.loads(path.read_text())
-            path.write_text(json.dumps({**config, "lora_alpha": 99.0}, indent=2, sort_keys=True) + "\n")
-            tampered.append(path)
+        staged = [p for p in tmp_path.rglob("adapter_config.json") if p != out / "adapter_config.json"]
+        if staged and not tampered:
+            config = json.loads(staged[0].read_text())
+            staged[0].write_text(json.dumps({**config, "lora_alpha": 99.0}, indent=2, sort_keys=True) + "\n")
+            tampered.append(staged[0])
 
     monkeypatch.setattr(os, "fsync", fsync_then_tamper)
     with pytest.raises(api.CollectiveExportError, match="adapter_config.json") as info:
