@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from fixtures.adapter_tamper import TAMPER
 from fixtures.subproc import run
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
@@ -100,76 +101,6 @@ def test_qualify_rejects_a_bad_target(dsv4, qualified, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- verify-adapter
-
-
-def _tamper_tensors(adapter: Path, edit) -> None:
-    st = adapter / "adapter_model.safetensors"
-    from safetensors import safe_open
-
-    with safe_open(str(st), framework="pt") as f:
-        meta = f.metadata()
-    tensors = load_file(st)
-    edit(tensors)
-    save_file(tensors, st, metadata=meta)
-
-
-def _key(tensors, fragment: str, half: str) -> str:
-    return next(k for k in sorted(tensors) if fragment in k and f".{half}." in k)
-
-
-def _indexer(adapter: Path, base: Path) -> None:
-    def edit(t):
-        a = _key(t, "layers.0.self_attn.q_b_proj", "lora_A")
-        b = _key(t, "layers.0.self_attn.q_b_proj", "lora_B")
-        t[a.replace("self_attn.q_b_proj", "self_attn.compressor.indexer.q_b_proj")] = t.pop(a)
-        t[b.replace("self_attn.q_b_proj", "self_attn.compressor.indexer.q_b_proj")] = t.pop(b)
-
-    _tamper_tensors(adapter, edit)
-
-
-def _wrong_shape_b(adapter: Path, base: Path) -> None:
-    _tamper_tensors(adapter, lambda t: t.__setitem__(k := _key(t, "o_b_proj", "lora_B"), t[k][:-1].clone()))
-
-
-def _nan(adapter: Path, base: Path) -> None:
-    def edit(t):
-        k = _key(t, "kv_proj", "lora_A")
-        t[k] = t[k].clone()
-        t[k][0, 0] = float("nan")
-
-    _tamper_tensors(adapter, edit)
-
-
-def _missing_half(adapter: Path, base: Path) -> None:
-    _tamper_tensors(adapter, lambda t: t.pop(_key(t, "q_a_proj", "lora_B")))
-
-
-def _other_base(adapter: Path, base: Path) -> None:
-    (st,) = base.glob("*.safetensors")
-    tensors = load_file(st)
-    tensors["layers.0.attn.wq_a.weight"] = tensors["layers.0.attn.wq_a.weight"] + 1.0
-    save_file(tensors, st)
-
-
-def _no_marker(adapter: Path, base: Path) -> None:
-    (adapter / ".complete").unlink()
-
-
-def _stale_marker(adapter: Path, base: Path) -> None:
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
-    cfg["lora_dropout"] = 0.5  # a different adapter now sits next to the old marker
-    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
-
-
-TAMPER = {
-    "indexer-wrapping": (_indexer, "compressor.indexer.q_b_proj"),
-    "wrong-shape-lora_B": (_wrong_shape_b, "o_b_proj.lora_B"),
-    "nan": (_nan, "NaN"),
-    "missing-half": (_missing_half, "only ['lora_A'] present"),
-    "mismatched-base": (_other_base, "layers.0.attn.wq_a.weight"),
-    "missing-complete": (_no_marker, ".complete: missing"),
-    "stale-complete": (_stale_marker, "stale"),
-}
 
 
 def test_verify_adapter_accepts_the_qualified_adapter(dsv4, qualified):

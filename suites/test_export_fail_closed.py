@@ -148,6 +148,37 @@ def test_a_staged_file_that_differs_from_the_validated_tensors_is_never_publishe
     assert snapshot_tree(out) == before, "a corrupt staged adapter changed the destination"
 
 
+def test_a_staged_config_that_differs_from_the_built_one_is_never_published(api, tmp_path, monkeypatch) -> None:
+    """The staged ``adapter_config.json`` is re-read too: when the file on disk no longer says what was built (here
+    its ``lora_alpha`` changes while the writer makes it durable), the export fails naming that file, and the
+    earlier export stays as it was."""
+    import json
+    import os
+
+    out = tmp_path / "adapter"
+    api.export_adapter(api.AdapterState(_good(), r=R, alpha=8.0), out)
+    before = snapshot_tree(out)
+    real_fsync, tampered = os.fsync, []
+
+    def fsync_then_tamper(fd: int) -> None:
+        """Once a config other than the published one exists under the destination's parent (the staged one,
+        whatever the exporter calls its staging area), rewrite it with another lora_alpha."""
+        real_fsync(fd)
+        staged = [p for p in tmp_path.rglob("adapter_config.json") if p != out / "adapter_config.json"]
+        if staged and not tampered:
+            config = json.loads(staged[0].read_text())
+            staged[0].write_text(json.dumps({**config, "lora_alpha": 99.0}, indent=2, sort_keys=True) + "\n")
+            tampered.append(staged[0])
+
+    monkeypatch.setattr(os, "fsync", fsync_then_tamper)
+    with pytest.raises(api.CollectiveExportError, match="adapter_config.json") as info:
+        api.export_adapter(api.AdapterState(_good(), r=R, alpha=9.0), out)
+    monkeypatch.undo()
+    assert tampered, "the export never made its staged adapter_config.json durable: the test proves nothing"
+    assert "phase validate" in str(info.value), str(info.value)
+    assert snapshot_tree(out) == before, "a staged config that differs from the export changed the destination"
+
+
 def test_a_cleanup_failure_after_the_commit_point_warns_and_keeps_the_committed_export(
     api, tmp_path, monkeypatch
 ) -> None:

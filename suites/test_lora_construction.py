@@ -84,11 +84,19 @@ def test_wrapped_modules_are_exactly_the_meant_ones(impl, megatron_world, spec, 
     assert _wrapped(root) == expected, f"targets={targets} exclude={exclude}"
 
 
-def test_bare_wq_b_never_wraps_the_indexer(impl, megatron_world):
+@pytest.mark.parametrize("name", ["wq_b", "wkv"])
+def test_a_bare_name_never_wraps_a_nested_module(impl, megatron_world, name):
+    """Bare ``wq_b`` wraps the main projection, not the indexer's; bare ``wkv`` neither compressor's ``wkv``."""
     root = _tree(impl)
-    impl.apply_lora([root], targets=["wq_b"], rank=2, alpha=4)
+    nested = [
+        n
+        for n, _ in root.named_modules()
+        if ".self_attention." in n and n.endswith(("indexer.linear_wq_b", ".compressor.wkv"))
+    ]
+    assert nested, "the tiny preset must have indexer/compressor projections for this test to mean anything"
+    impl.apply_lora([root], targets=[name], rank=2, alpha=4)
     wrapped = _wrapped(root)
-    assert wrapped and all(n.endswith(".self_attention.wq_b") for n in wrapped), sorted(wrapped)
+    assert wrapped and all(n.endswith(f".self_attention.{name}") for n in wrapped), sorted(wrapped)
 
 
 def test_unknown_targets_raise_listing_valid_names(impl, megatron_world):

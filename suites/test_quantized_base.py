@@ -152,12 +152,14 @@ def _lora_on_quantized(impl, quantized):
     return variant, state, model, handle
 
 
-def test_merged_export_from_a_quantized_base_is_the_fp32_merge_cast_once(impl, quantized):
-    """Each targeted weight == (dequant(W) + (alpha/r) B@A) in fp32, cast once; every other tensor is untouched."""
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["base-dtype", "bfloat16"])
+def test_merged_export_from_a_quantized_base_is_the_fp32_merge_cast_once(impl, quantized, out_dtype):
+    """Each targeted weight == (dequant(W) + (alpha/r) B@A) in fp32, cast once (to the base dtype, or the requested
+    one: a bf16 merge rounds W, the delta and their sum, one cast rounds once); every other tensor is untouched."""
     variant, state, model, handle = _lora_on_quantized(impl, quantized)
     reference = {n: t for n, t in dequantize_state(state).items() if not n.startswith("mtp.")}
     params = dict(model.named_parameters())
-    merged = impl.export_merged_state([model], handle)
+    merged = impl.export_merged_state([model], handle, dtype=out_dtype)
     assert set(merged) == set(reference), f"{variant}: merged export names differ: {set(merged) ^ set(reference)}"
     n_layers = quant_config().num_hidden_layers
     targeted = set()
@@ -166,9 +168,9 @@ def test_merged_export_from_a_quantized_base_is_the_fp32_merge_cast_once(impl, q
             off = f"layers.{layer}.attn.{leaf}.weight"
             stem = f"decoder.layers.{layer}.self_attention.{leaf}"
             a, b = params[f"{stem}.adapter.linear_in.weight"], params[f"{stem}.adapter.linear_out.weight"]
-            base_dtype = params[f"{stem}.to_wrap.weight"].dtype
-            want = (reference[off].float() + (LORA_ALPHA / LORA_R) * (b.float() @ a.float())).to(base_dtype)
-            assert not torch.equal(want, reference[off].to(base_dtype)), f"{variant}: {off}: the delta is zero"
+            out = out_dtype or params[f"{stem}.to_wrap.weight"].dtype
+            want = (reference[off].float() + (LORA_ALPHA / LORA_R) * (b.float() @ a.float())).to(out)
+            assert not torch.equal(want, reference[off].to(out)), f"{variant}: {off}: the delta is zero"
             ah.assert_bitwise_equal(
                 merged[off], want, name=f"merged {off} vs the fp32 merge of the dequantized base", context=variant
             )

@@ -1,0 +1,175 @@
+"""Prove the suite's power: apply each seeded mutation of fixtures/mutations.py to a fresh copy of the implementation
+and check that the tests named for it fail.
+
+    .venv/bin/python scripts/mutation_check.py [--only NAME[,NAME...]] [--jobs N] [--timeout S] [--keep]
+
+Per mutation: copy ``impl/`` under the package name ``impl_mutant`` with the change applied (never to the tree), run
+only its tests against the copy in a pytest subprocess (``--impl impl_mutant``, ``-x``, stops at the first failure),
+and record KILLED (a test failed: its id is reported) or SURVIVED (all passed). A control run first proves that the
+unmutated copy passes every selection (one pytest run over their union), otherwise a "kill" proves nothing.
+ERROR: the change no longer applies exactly once (the code moved), the control failed on that selection, the run
+did not test the copy, collected nothing, crashed or timed out. Exit status 0 only when every mutation is KILLED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from fixtures.impl_copy import MutationError, copy_implementation  # noqa: E402
+from fixtures.mutations import CATALOGUE, Seeded, change_problem  # noqa: E402
+from fixtures.subproc import pytest_outcomes, run  # noqa: E402
+
+COPY_NAME = "impl_mutant"  # the control copy has the same name, so the mutation is the only difference
+KILLED, SURVIVED, ERROR = "KILLED", "SURVIVED", "ERROR"
+_FAILED_WORDS = ("FAILED", "ERROR")
+
+
+@dataclass
+class Outcome:
+    entry: Seeded
+    result: str
+    detail: str = ""  # the killing test id, or what went wrong
+    seconds: float = 0.0
+
+
+def _pytest(copy_dir: Path, targets: list[str], k: str | None, *, stop_first: bool, timeout: float):
+    """Run pytest on ``targets`` against the copy in ``copy_dir``; (exit code, node id -> outcome, output, seconds)."""
+    argv = [sys.executable, "-m", "pytest", "-m", "cpu", "-n", "0", "-p", "no:randomly", "-rfE"]
+    argv += ["--impl", COPY_NAME, *(["-x"] if stop_first else []), *(["-k", k] if k else []), *targets]
+    env = {"PYTHONPATH": str(copy_dir), "DSV4_IMPL": COPY_NAME}
+    start = time.monotonic()
+    try:
+        result = run(argv, timeout=timeout, cwd=REPO_ROOT, env=env)
+    except AssertionError as exc:  # fixtures.subproc.run: timed out, process group killed
+        return None, {}, str(exc), time.monotonic() - start
+    out = result.stdout + result.stderr
+    return result.returncode, pytest_outcomes(out), out, time.monotonic() - start
+
+
+def _tested_the_copy(out: str) -> bool:
+    return f"dsv4: impl={COPY_NAME} " in out
+
+
+def run_mutant(entry: Seeded, work: Path, timeout: float) -> Outcome:
+    start = time.monotonic()
+    where = work / entry.name
+    try:
+        copy_implementation(where, name=COPY_NAME, mutation=entry.change)
+    except MutationError as exc:
+        return Outcome(entry, ERROR, str(exc), time.monotonic() - start)
+    rc, outcomes, out, _ = _pytest(where, list(entry.kill), entry.k, stop_first=True, timeout=timeout)
+    seconds = time.monotonic() - start
+    failed = [node for node, word in outcomes.items() if word in _FAILED_WORDS]
+    if rc is None:
+        return Outcome(entry, ERROR, f"timed out after {timeout:g}s", seconds)
+    if not _tested_the_copy(out):
+        return Outcome(entry, ERROR, f"the run did not test {COPY_NAME} (exit {rc}): {_tail(out)}", seconds)
+    if rc == 1 and failed:
+        return Outcome(entry, KILLED, failed[0], seconds)
+    if rc == 0:
+        return Outcome(entry, SURVIVED, "every selected test passed", seconds)
+    return Outcome(entry, ERROR, f"pytest exit {rc} (5: nothing collected): {_tail(out)}", seconds)
+
+
+def _tail(out: str, lines: int = 6) -> str:
+    return " | ".join(line.strip() for line in out.strip().splitlines()[-lines:])
+
+
+def control_keyword(entries: list[Seeded]) -> str:
+    """One ``-k`` expression selecting (a superset of) every entry's tests: module and test names are keywords."""
+
+    def one(entry: Seeded) -> str:
+        scopes = []
+        for target in entry.kill:
+            file, *names = target.split("::")
+            scopes.append("(" + " and ".join([Path(file).name, *names]) + ")")
+        scope = " or ".join(scopes)
+        return f"(({scope}) and ({entry.k}))" if entry.k else f"({scope})"
+
+    return " or ".join(one(e) for e in entries)
+
+
+def run_control(entries: list[Seeded], work: Path, timeout: float) -> dict[str, str]:
+    """Entry name -> why the unmutated copy fails its selection (absent: it passes)."""
+    if not entries:
+        return {}
+    copy = copy_implementation(work / "control", name=COPY_NAME)
+    files = list(dict.fromkeys(target.split("::")[0] for e in entries for target in e.kill))
+    rc, outcomes, out, seconds = _pytest(copy.path, files, control_keyword(entries), stop_first=False, timeout=timeout)
+    print(f"control: unmutated copy over {len(entries)} selections: exit {rc} in {seconds:.0f}s", file=sys.stderr)
+    if rc == 0 and _tested_the_copy(out):
+        return {}
+    if rc is None or rc != 1 or not _tested_the_copy(out):
+        why = "timed out" if rc is None else f"exit {rc}: {_tail(out)}"
+        return {e.name: f"control run failed ({why})" for e in entries}
+    failed = [node for node, word in outcomes.items() if word in _FAILED_WORDS]
+    broken = {}
+    for entry in entries:
+        mine = [node for node in failed if any(node.startswith(t.split("::")[0]) for t in entry.kill)]
+        if mine:
+            broken[entry.name] = f"the unmutated copy fails {mine[0]}"
+    return broken
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], help="mutation name(s), comma-separated; repeatable")
+    parser.add_argument("--jobs", type=int, default=2, help="mutations run concurrently (default 2)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per mutation run (default 300)")
+    parser.add_argument("--keep", action="store_true", help="keep the copies (their directory is printed)")
+    args = parser.parse_args(argv)
+    wanted = [n for item in args.only for n in item.split(",") if n]
+    known = {e.name for e in CATALOGUE}
+    if unknown := [n for n in wanted if n not in known]:
+        parser.error(f"unknown mutation(s) {unknown}; known: {', '.join(sorted(known))}")
+    entries = [e for e in CATALOGUE if not wanted or e.name in wanted]
+
+    start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="dsv4-mutants-"))
+    outcomes = {e.name: Outcome(e, ERROR, why) for e in entries if (why := change_problem(e)) is not None}
+    runnable = [e for e in entries if e.name not in outcomes]
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            control = pool.submit(run_control, runnable, work, args.timeout * 3)
+            futures = {pool.submit(run_mutant, e, work, args.timeout): e for e in runnable}
+            for done, future in enumerate(as_completed(futures), 1):
+                outcome = future.result()
+                outcomes[outcome.entry.name] = outcome
+                print(
+                    f"[{done}/{len(runnable)}] {outcome.entry.name}: {outcome.result} ({outcome.seconds:.0f}s)",
+                    file=sys.stderr,
+                )
+            for name, why in control.result().items():
+                outcomes[name] = Outcome(outcomes[name].entry, ERROR, why, outcomes[name].seconds)
+    finally:
+        if args.keep:
+            print(f"copies kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    ordered = [outcomes[e.name] for e in entries]
+    print(format_table(ordered, time.monotonic() - start, args.jobs))
+    return 0 if all(o.result == KILLED for o in ordered) else 1
+
+
+def format_table(outcomes: list[Outcome], total: float, jobs: int) -> str:
+    rows = [("mutation", "attacks", "result", "s", "killed by / why")]
+    rows += [(o.entry.name, o.entry.attacks, o.result, f"{o.seconds:.0f}", o.detail) for o in outcomes]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join([*(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)), r[3].rjust(4), r[4]]) for r in rows]
+    counts = {word: sum(o.result == word for o in outcomes) for word in (KILLED, SURVIVED, ERROR)}
+    summary = ", ".join(f"{n} {word.lower()}" for word, n in counts.items())
+    return "\n".join([*lines, f"{len(outcomes)} mutations: {summary}; total {total:.0f}s with {jobs} job(s)"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

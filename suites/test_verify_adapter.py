@@ -1,0 +1,56 @@
+"""``verify-adapter``'s checks through the public ``verify_adapter``: an exported adapter against its base passes, and
+each spoilt adapter or base is reported with the tensor or file that is wrong. The same cases run through the command
+line after a full ``qualify`` in ``test_cli``; here a tiny base and an exported adapter suffice, so they are fast."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from fixtures.adapter_tamper import TAMPER
+from fixtures.export_faults import attention_shapes, make_native_adapter
+from tiny_models.checkpoint import write_checkpoint
+from tiny_models.presets import get_preset
+
+pytestmark = pytest.mark.cpu
+
+PRESET, R, ALPHA = "tiny-mixed", 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def exported(impl, tmp_path_factory):
+    """A tiny official-layout base and an adapter on the five main targets exported against it, fingerprinted."""
+    root = tmp_path_factory.mktemp("verify")
+    base = write_checkpoint(PRESET, root / "base", seed=2)
+    cfg = get_preset(PRESET)
+    shapes = attention_shapes(
+        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    )
+    layers = cfg.num_hidden_layers
+    fingerprint = impl.base_fingerprint(
+        base, [f"layers.{i}.attn.{leaf}.weight" for i in range(layers) for leaf in shapes]
+    )
+    adapter = root / "adapter"
+    state = impl.AdapterState(make_native_adapter(shapes, layers, R, seed=7), r=R, alpha=ALPHA)
+    impl.export_adapter(state, adapter, base_fingerprint=fingerprint)
+    return base, adapter
+
+
+def test_an_exported_adapter_passes_against_its_base(impl, exported):
+    base, adapter = exported
+    result = impl.verify_adapter(base, adapter)
+    assert result.ok and not result.problems, f"problems: {result.problems}"
+
+
+@pytest.mark.parametrize("case", sorted(TAMPER))
+def test_each_spoilt_adapter_or_base_is_reported_by_name(impl, exported, tmp_path, case):
+    tamper, expected = TAMPER[case]
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    shutil.copytree(exported[0], base)
+    shutil.copytree(exported[1], adapter)
+    tamper(adapter, base)
+    result = impl.verify_adapter(base, adapter)
+    problems = "\n".join(result.problems)
+    assert not result.ok, f"{case}: verify_adapter passed a spoilt adapter"
+    assert expected in problems, f"{case}: the problem list does not name {expected!r}:\n{problems}"
