@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
+from fixtures.adapter_states import attention_shapes, make_native_adapter
 from fixtures.adapter_tamper import TAMPER
-from fixtures.export_faults import attention_shapes, make_native_adapter
 from tiny_models.checkpoint import write_checkpoint
 from tiny_models.presets import get_preset
 
