@@ -120,6 +120,21 @@ def test_verify_adapter_catches(dsv4, qualified, tmp_path, case):
     assert expected in result.stdout, f"{case}: problem list does not name {expected!r}:\n{result.stdout[-3000:]}"
 
 
+@pytest.mark.parametrize("case", sorted(TAMPER))
+def test_validate_adapter_dir_raises_the_first_problem_verify_adapter_lists(impl, qualified, tmp_path, case):
+    """One list of checks, two reporters: on the same tampered adapter, the library's validate_adapter_dir fails
+    closed with exactly the first problem that verify-adapter lists."""
+    tamper, _ = TAMPER[case]
+    base, adapter = _copy_base(qualified, tmp_path), tmp_path / "adapter"
+    shutil.copytree(qualified / "adapter", adapter)
+    tamper(adapter, base)
+    listed = impl.verify_adapter(base, adapter).problems
+    assert listed, f"{case}: verify_adapter lists no problem"
+    with pytest.raises(impl.Dsv4Error) as info:
+        impl.validate_adapter_dir(adapter, base=base)
+    assert str(info.value) == listed[0], f"{case}: validate raised {info.value!r}, verify listed first {listed[0]!r}"
+
+
 def test_coverage_of_the_flash_manifest_is_complete(dsv4):
     result = dsv4("coverage", "--manifest", "flash", "--limit", "5", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]

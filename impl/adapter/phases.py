@@ -101,10 +101,10 @@ def validate(ctx: ExportContext) -> None:
     ctx.check.verify()
     check_header(staging, ctx.built)
     ctx.payload_size = (staging / ADAPTER_FILE).stat().st_size
-    text = (staging / CONFIG_FILE).read_text()
-    if json.loads(text) != json.loads(config_text(ctx.built.config)):
+    raw = (staging / CONFIG_FILE).read_bytes()
+    if json.loads(raw) != json.loads(config_text(ctx.built.config)):
         raise AdapterValidationError(f"{staging / CONFIG_FILE} differs from the exported config")
-    ctx.hashes = {CONFIG_FILE: hashlib.sha256(text.encode()).hexdigest()}
+    ctx.hashes = {CONFIG_FILE: hashlib.sha256(raw).hexdigest()}  # the bytes just checked, not a re-read
     ctx.payload = None  # release the serialized copy before publishing
 
 
