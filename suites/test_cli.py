@@ -141,7 +141,7 @@ def test_coverage_of_the_flash_manifest_is_complete(dsv4):
     assert "unmapped 0" in result.stdout and "missing 0" in result.stdout
 
 
-def test_coverage_reports_the_upstream_layout_when_asked():
+def test_coverage_reports_the_upstream_layout_when_asked(dsv4):
     result = dsv4("coverage", "--manifest", "tiny-mixed", "--layout", "upstream", "--limit", "100000", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}

@@ -9,7 +9,7 @@ import pytest
 from safetensors import safe_open
 
 from fixtures.empty_conversion_rank_fns import EmptyConversionCase, rank_empty_conversion
-from fixtures.multirank import IMPL_PRELOAD, run_ranks
+from fixtures.multirank import impl_preload, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.slow]
 
@@ -28,7 +28,7 @@ def _run(impl, tmp_path: Path, targets: tuple[str, ...]) -> tuple[list[dict], Pa
     out.mkdir()
     (out / "README").write_text(OLD)
     case = EmptyConversionCase(impl.name, PRESET, str(run_dir), str(out), targets=targets)
-    results = run_ranks(rank_empty_conversion, case, nproc=2, timeout_s=240, preload=IMPL_PRELOAD)
+    results = run_ranks(rank_empty_conversion, case, nproc=2, timeout_s=240, preload=impl_preload(impl.name))
     return [r.payload for r in results], out
 
 

@@ -1,6 +1,6 @@
 """One target vocabulary: a LoRA target is one row of one table, and every consumer of target names reads it.
 
-The V4 facts below are written out from the module tree (v4_architecture.md §4.2 and §8.1), independently of the
+The V4 facts below are written out from the module tree (docs/reference/v4_architecture.md §4.2 and §8.1), independently of the
 implementation's table. A fictional target (native ``wx``, official ``wx``, transformers ``x_proj``) added to a COPY
 of the table then reaches the qualifier, every naming dialect, the native-name parser the gather and the exporter
 read adapter names with, verify's name translation and the command line's default targets.

@@ -145,7 +145,7 @@ _R, _C, _ROW, _G = (
     ParallelStyle.GROUPED_COLUMN,
 )
 
-#: The table (v4_architecture.md §4.2 and §8.1).
+#: The table (docs/reference/v4_architecture.md §4.2 and §8.1).
 TARGET_TABLE = TargetTable(
     (
         TargetRow("wq_a", "wq_a", "q_a_proj", "wq_a", _R, nested=False),
