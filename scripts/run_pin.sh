@@ -16,6 +16,11 @@ SELECTION=(
   suites/test_strict_load.py
   suites/test_coverage.py
   suites/test_quantized_base.py
+  suites/test_upstream_layout.py
+  suites/test_run_config_layout.py
+  suites/test_fused_kernel_gate_pins.py
+  suites/test_provider_dispatch.py
+  suites/test_detection.py
 )
 paths=()
 for arg in "$@"; do [[ $arg == suites/* || $arg == *.py* ]] && paths+=("$arg"); done
