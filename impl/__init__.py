@@ -46,7 +46,6 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "impl.errors": (
         "CheckpointMappingError",
-        "ConversionOnlyBridgeError",
         "CorruptCheckpointError",
         "Dsv4Error",
         "ExportError",

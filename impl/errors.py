@@ -8,7 +8,6 @@ __all__ = [
     "NotDeepseekV4Error",
     "UnsupportedConfigError",
     "MultiLoRAUnsupportedError",
-    "ConversionOnlyBridgeError",
     "CorruptCheckpointError",
     "CheckpointMappingError",
     "QuantizationError",
@@ -33,10 +32,6 @@ class UnsupportedConfigError(Dsv4Error, ValueError):
 
 class MultiLoRAUnsupportedError(Dsv4Error, NotImplementedError):
     """Multi-LoRA on the native DeepSeek-V4 graph is not supported."""
-
-
-class ConversionOnlyBridgeError(Dsv4Error, RuntimeError):
-    """The V4 bridge converts weights only; models are built by the native provider."""
 
 
 class CheckpointMappingError(Dsv4Error, KeyError):

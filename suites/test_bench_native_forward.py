@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from fixtures.native_weights import ensure_single_rank_megatron, load_hf_into_native, native_api
+from fixtures.native_weights import ensure_single_rank_megatron, load_hf_into_native
 from tiny_models import build_random_model, min_seq_len
 
 pytestmark = pytest.mark.bench
@@ -33,7 +33,7 @@ def _reset_peak_rss() -> bool:
 def test_native_vs_transformers_forward_benchmark(impl):
     """Prints forward time (median of N) and peak RSS growth for the largest tiny preset; asserts nothing on time."""
     ensure_single_rank_megatron(impl)
-    native = native_api(impl)
+    native = impl
     hf = build_random_model("tiny-largest", seed=0)
     torch.manual_seed(1)
     model = native.DeepseekV4NativeModel(native.V4Config.from_hf(hf.config)).eval()

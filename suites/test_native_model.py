@@ -16,7 +16,6 @@ from fixtures.native_weights import (
     ensure_single_rank_megatron,
     load_hf_into_native,
     load_hf_moe_into_native,
-    native_api,
     oracle_counterparts,
 )
 from tiny_models import build_random_model, get_preset, min_seq_len
@@ -33,7 +32,7 @@ GRADLESS_BY_DESIGN = ".self_attention.indexer."
 @pytest.fixture(scope="module")
 def native(impl):
     ensure_single_rank_megatron(impl)
-    return native_api(impl)
+    return impl
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +249,7 @@ class ParallelCase:
 
 
 def _rank_native_parallel(rank: int, world_size: int, case: ParallelCase) -> dict:
-    api = native_api(load_impl(case.impl_name))  # prepares the host (CPU shims) before megatron-core runs
+    api = load_impl(case.impl_name)  # prepares the host (CPU shims) before megatron-core runs
     from megatron.core import parallel_state
 
     init_megatron_parallel(tp=case.tp, ep=case.ep)

@@ -346,8 +346,16 @@ MUTANTS = {
         ("suites/test_recipe.py::test_gpu32_rank_function_trains_and_exports_the_tiny_variant_on_two_cpu_ranks",),
         id="gpu32-construction-train-step-never-steps",
     ),
-    # TODO(issue 13): one export fault-matrix case (suites/test_export_collective.py, a mutation in the public
-    # phase table) once the fault matrix's rank functions receive the implementation's name.
+    "export-skips-the-cross-rank-exchange": pytest.param(
+        TextMutation(
+            "adapter/export.py", "failures = ex.agree(phase, status)", "failures = [status] if status else []"
+        ),
+        (
+            "suites/test_export_collective.py::"
+            "test_failure_in_any_phase_on_any_rank_raises_the_same_error_everywhere_and_publishes_nothing[ws2-rank1-write]",
+        ),
+        id="export-fault-matrix-skips-the-cross-rank-exchange",
+    ),
 }
 
 
