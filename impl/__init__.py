@@ -37,6 +37,13 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "is_deepseek_v4_config",
         "require_deepseek_v4_config",
     ),
+    "impl.adapter.consumers": (
+        "CONSUMER_RULES",
+        "ConsumerRule",
+        "ConsumerStatus",
+        "consumer_rule",
+        "unapplied_targets",
+    ),
     "impl.adapter.dialects": (
         "DIALECTS",
         "match_native",

@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Print the consumer support matrix: consumer x version x target x dialect, each cell the status the engine's
+own code gives an adapter the implementation exported (fixtures/consumers). Needs scripts/install_consumers.sh.
+
+    .venv/bin/python scripts/consumer_matrix.py            # print the markdown table
+    .venv/bin/python scripts/consumer_matrix.py --write    # put it into README.md between the markers
+    .venv/bin/python scripts/consumer_matrix.py --check    # exit 1 when README.md's table differs
+    .venv/bin/python scripts/consumer_matrix.py --json F   # also write every probe report to F
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fixtures.consumers import (  # noqa: E402  (the repository root goes on the path first)
+    ConsumerEnvMissing,
+    probe_all,
+    readme_section,
+    render_matrix,
+    with_readme_section,
+)
+from fixtures.impl_loader import load_impl, resolve_impl_name  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="replace README.md's generated section")
+    mode.add_argument("--check", action="store_true", help="exit 1 if README.md's generated section differs")
+    parser.add_argument("--json", type=Path, help="also write the raw probe reports here")
+    parser.add_argument("--impl", default=None, help="implementation module (default: impl or $DSV4_IMPL)")
+    args = parser.parse_args()
+
+    # stdout carries only the table: the implementation's imports log there
+    with contextlib.redirect_stdout(sys.stderr), tempfile.TemporaryDirectory(prefix="consumer-matrix-") as tmp:
+        api = load_impl(resolve_impl_name(args.impl))
+        try:
+            all_cells, cases, notes, reports = probe_all(api, Path(tmp))
+        except ConsumerEnvMissing as exc:
+            print(f"consumer_matrix: {exc}", file=sys.stderr)
+            return 2
+    table = render_matrix(all_cells, cases, notes)
+    if args.json:
+        args.json.write_text(json.dumps(reports, indent=1, sort_keys=True))
+    readme_path = ROOT / "README.md"
+    readme = readme_path.read_text()
+    if readme_section(readme) is None:
+        print("consumer_matrix: README.md has no consumer-matrix markers", file=sys.stderr)
+        return 2
+    if args.write:
+        readme_path.write_text(with_readme_section(readme, table))
+        print(f"consumer_matrix: wrote {readme_path}")
+    elif args.check:
+        if readme_section(readme) != table:
+            print("consumer_matrix: README.md's consumer matrix is stale; run scripts/consumer_matrix.py --write")
+            return 1
+        print("consumer_matrix: README.md is current")
+    else:
+        print(table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

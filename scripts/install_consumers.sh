@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Install the serving engines whose own code judges our exported adapters (suites/test_consumers.py), each in an
+# environment of its own: .consumers/<name> (ignored by git).
+#   scripts/install_consumers.sh [vllm] [sglang]        default: both
+# Each is Python 3.11 + requirements/consumers-<name>.txt installed with --no-deps: the engine's real wheel from
+# the package index and only what its LoRA-loading and model modules import on a CPU host (not a working
+# server; the full dependency sets pull CUDA builds and several GB). An environment whose requirements file is
+# unchanged is reused. The main .venv is untouched.
+# Environment: DSV4_CONSUMERS_DIR (default .consumers); DSV4_TORCH_CPU_INDEX, an extra index with the CPU torch
+# wheel (e.g. https://download.pytorch.org/whl/cpu) where pip's configured find-links do not provide it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${DSV4_CONSUMERS_DIR:-.consumers}
+NAMES=("$@")
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(vllm sglang)
+
+find_python311() {
+  for cand in python3.11 "$HOME/.pyenv/versions/3.11.7/bin/python3.11" "$HOME"/.pyenv/versions/3.11.*/bin/python3.11 \
+    /usr/local/bin/python3.11 /usr/bin/python3.11; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+      command -v "$cand"
+      return 0
+    fi
+  done
+  echo "error: Python 3.11 not found (the consumer environments use the CPU torch wheel for CPython 3.11; both" \
+    "engines' wheels support it); install it, e.g. 'pyenv install 3.11'" >&2
+  return 1
+}
+
+install_one() {
+  local name=$1 req="requirements/consumers-$1.txt" env="$DIR/$1" start spec
+  [ -f "$req" ] || { echo "error: no $req (known consumers: vllm, sglang)" >&2; return 1; }
+  spec=$(sha256sum "$req" | cut -d' ' -f1)
+  if [ -f "$env/.consumer-spec" ] && [ "$(cat "$env/.consumer-spec")" = "$spec" ]; then
+    echo "install_consumers: $env is up to date ($req unchanged)"
+    return 0
+  fi
+  start=$(date +%s)
+  rm -rf "$env"
+  "$PY" -m venv "$env"
+  local extra=()
+  [ -n "${DSV4_TORCH_CPU_INDEX:-}" ] && extra=(--extra-index-url "$DSV4_TORCH_CPU_INDEX")
+  if ! "$env/bin/python" -m pip install --disable-pip-version-check -q --no-deps --no-compile "${extra[@]}" -r "$req"; then
+    echo "error: installing $req failed; if torch==2.13.0+cpu was not found, set" \
+      "DSV4_TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu" >&2
+    return 1
+  fi
+  echo "$spec" >"$env/.consumer-spec"
+  echo "install_consumers: $name in $(($(date +%s) - start))s, size $(du -sh "$env" | cut -f1)"
+}
+
+PY=$(find_python311)
+mkdir -p "$DIR"
+total=$(date +%s)
+for name in "${NAMES[@]}"; do install_one "$name"; done
+echo "install_consumers: done in $(($(date +%s) - total))s; $(du -sh "$DIR" | cut -f1) in $DIR"

@@ -1,0 +1,188 @@
+"""The serving engines decide what "loads" means: vLLM's and SGLang's own code, installed for real in
+environments of their own (scripts/install_consumers.sh), judges every target of adapters the implementation
+exported in each dialect, and the implementation's stated beliefs (``CONSUMER_RULES``) must match every answer.
+
+The expected values come from the engines (fixtures/consumers/probe_*.py run their loaders, mappers, packing,
+skip prefixes, target normalization and forward code); the implementation's table is what is under test. When
+an engine release changes its answer, these tests fail until the table (and what depends on it) follows.
+Skipped, with the reason, only where a consumer environment is not installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+from fixtures.consumers import (
+    HERE,
+    MTP_ROW,
+    PROBES,
+    TARGETS,
+    WHOLE_ROW,
+    Cell,
+    ConsumerEnvMissing,
+    cells,
+    consumer_python,
+    export_cases,
+    readme_section,
+    render_matrix,
+    run_probe,
+)
+
+pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("consumers")]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def exported(impl, tmp_path_factory):
+    return export_cases(impl, tmp_path_factory.mktemp("consumer-adapters"))
+
+
+@pytest.fixture(scope="module")
+def probed(exported) -> dict[str, tuple[dict, list[Cell], list[str]]]:
+    """consumer -> (raw report, cells, notes); only consumers whose environment is installed."""
+    cases, config = exported
+    paths = sorted({c.path for c in cases if c.path is not None})
+    out = {}
+    for name in PROBES:
+        try:
+            consumer_python(name)
+        except ConsumerEnvMissing:
+            continue
+        report = run_probe(name, paths, config)
+        out[name] = (report, *cells(report, cases))
+    return out
+
+
+def _absent(what: str) -> None:
+    """Skip where a consumer environment is not installed; CI (DSV4_REQUIRE_CONSUMERS=1) fails instead."""
+    message = f"{what}: run scripts/install_consumers.sh"
+    if os.environ.get("DSV4_REQUIRE_CONSUMERS") == "1":
+        pytest.fail(message + " (DSV4_REQUIRE_CONSUMERS=1)")
+    pytest.skip(message)
+
+
+def _answers(probed, name: str) -> tuple[dict, list[Cell], list[str]]:
+    if name not in probed:
+        _absent(f"{name} consumer environment not installed")
+    return probed[name]
+
+
+def _cell(found: list[Cell], consumer: str, dialect: str, target: str) -> Cell:
+    matches = [c for c in found if (c.consumer, c.dialect, c.target) == (consumer, dialect, target)]
+    assert len(matches) == 1, f"the probe gave {len(matches)} answers for {consumer} {dialect} {target}"
+    return matches[0]
+
+
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_every_target_in_every_dialect_is_what_the_implementation_believes(impl, probed, name, record_property):
+    report, found, notes = _answers(probed, name)
+    record_property(f"{name}_matrix", [c.__dict__ for c in found])
+    assert found, f"{name} {report['version']}: the probe judged no platform variant ({notes})"
+    wrong = []
+    for cell in found:
+        rule = impl.consumer_rule(cell.consumer, cell.version, cell.dialect, cell.target)
+        if rule is None:
+            wrong.append(
+                f"{cell.consumer} {cell.version} {cell.dialect} {cell.target}: impl has no belief; "
+                f"the engine says {cell.status} ({cell.reason[:300]}) [{'; '.join(cell.evidence)}]"
+            )
+        elif (str(rule.status), rule.routed_to) != (cell.status, cell.routed_to):
+            wrong.append(
+                f"{cell.consumer} {cell.version} {cell.dialect} {cell.target}: impl believes "
+                f"{rule.status} (routed to {rule.routed_to}), the engine says {cell.status} (routed to "
+                f"{cell.routed_to}): {cell.reason[:400]} [{'; '.join(cell.evidence)}]"
+            )
+    assert not wrong, f"{len(wrong)} cell(s) where impl.CONSUMER_RULES disagrees with {name}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_the_implementation_holds_no_belief_the_engine_was_not_asked(impl, probed, name):
+    report, found, _ = _answers(probed, name)
+    asked = {(c.consumer, c.version, c.dialect, c.target) for c in found}
+    stale = [
+        f"{r.consumer} {r.version} {r.dialect} {r.target}"
+        for r in impl.CONSUMER_RULES
+        if r.consumer.split("/")[0] == name and (r.consumer, r.version, r.dialect, r.target) not in asked
+    ]
+    assert not stale, f"impl.CONSUMER_RULES has rows no installed {name} ({report['version']}) answered: {stale}"
+
+
+def test_sglang_normalizes_a_bare_wq_b_to_the_dsa_indexer(impl, probed):
+    _, found, _ = _answers(probed, "sglang")
+    for dialect in ("official", "sglang"):
+        cell = _cell(found, "sglang", dialect, "wq_b")
+        assert cell.routed_to == "indexer.wq_b", f"{dialect}: SGLang no longer renames wq_b: {cell}"
+        said = [cell.reason, *cell.evidence, cell.if_accepted_reason or ""]
+        assert any("get_normalized_target_modules" in text for text in said), f"{dialect}: {said}"
+        rule = impl.consumer_rule("sglang", cell.version, dialect, "wq_b")
+        assert rule is not None and rule.routed_to == cell.routed_to, f"impl does not know: {rule}"
+
+
+def test_vllm_loads_wo_a_but_its_forward_hands_the_weight_to_a_kernel(impl, probed):
+    _, found, _ = _answers(probed, "vllm")
+    cell = _cell(found, "vllm/nvidia", "official", "wo_a")
+    assert cell.status == "loaded_not_applied", f"vLLM now applies wo_a's LoRA: {cell.reason}"
+    assert "reads .weight directly" in cell.reason, cell.reason
+    for target in ("wq_a", "wq_b", "wkv", "wo_b"):
+        assert _cell(found, "vllm/nvidia", "official", target).status == "applied", target
+    rule = impl.consumer_rule("vllm/nvidia", cell.version, "official", "wo_a")
+    assert rule is not None and str(rule.status) == cell.status, f"impl believes {rule}"
+
+
+def test_vllm_skips_the_mtp_layer_and_refuses_transformers_names(impl, probed):
+    _, found, _ = _answers(probed, "vllm")
+    assert _cell(found, "vllm/nvidia", "official", MTP_ROW).status == "skipped"
+    assert _cell(found, "vllm/nvidia", "transformers", WHOLE_ROW).status == "rejected"
+    for target in (MTP_ROW, WHOLE_ROW):
+        cell = _cell(found, "vllm/nvidia", "official" if target == MTP_ROW else "transformers", target)
+        rule = impl.consumer_rule("vllm/nvidia", cell.version, cell.dialect, target)
+        assert rule is not None and str(rule.status) == cell.status, f"{target}: impl believes {rule}, engine {cell}"
+
+
+def test_the_readme_matrix_is_the_generated_one(probed, exported):
+    if set(probed) != set(PROBES):
+        _absent(f"the README matrix needs every consumer environment (installed: {sorted(probed)})")
+    cases, _ = exported
+    found = [c for name in sorted(PROBES) for c in probed[name][1]]
+    notes = [n for name in sorted(PROBES) for n in probed[name][2]]
+    section = readme_section((ROOT / "README.md").read_text())
+    assert section is not None, "README.md lost its consumer-matrix markers"
+    assert section == render_matrix(found, cases, notes), (
+        "README.md's consumer matrix differs from what the engines say now: run "
+        "'.venv/bin/python scripts/consumer_matrix.py --write'"
+    )
+
+
+def test_every_row_of_the_matrix_has_an_answer_for_each_exported_adapter(probed, exported):
+    cases, _ = exported
+    for name in sorted(probed):
+        _, found, _ = probed[name]
+        for consumer in {c.consumer for c in found}:
+            for case in cases:
+                if case.path is not None:
+                    _cell(found, consumer, case.dialect, case.target)
+    assert {c.target for c in cases} == {WHOLE_ROW, MTP_ROW, *TARGETS}
+
+
+def test_a_missing_consumer_environment_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_CONSUMERS_DIR", str(tmp_path))
+    with pytest.raises(ConsumerEnvMissing, match=r"scripts/install_consumers.sh vllm"):
+        run_probe("vllm", [], None)
+
+
+def test_the_probes_import_nothing_from_this_project():
+    """The probes judge our adapters with the engines' code only: no impl, fixtures or tiny_models inside."""
+    ours = {"impl", "fixtures", "tiny_models", "suites"}
+    for path in sorted(HERE.glob("*.py")):
+        if path.name == "__init__.py":  # the runner, in the main environment
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            leaked = [n for n in names if n.split(".")[0] in ours]
+            assert not leaked, f"{path.name} imports {leaked}: the probes must run on the consumer's code only"
