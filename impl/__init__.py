@@ -114,6 +114,14 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "DeepseekV4Attention",
         "grouped_wo_a",
     ),
+    "impl.native.parallel": ("cpu_initialization",),
+    "impl.native.placement": (
+        "DevicePlacementError",
+        "Misplaced",
+        "audit_devices",
+        "rank_device",
+        "require_devices",
+    ),
     "impl.native.norm": (
         "RMSNorm",
         "ReplicatedLinear",
@@ -172,6 +180,8 @@ _NEEDS_MEGATRON = {
     "impl.native",
     "impl.native.attention",
     "impl.native.norm",
+    "impl.native.parallel",
+    "impl.native.placement",
     "impl.native.rope",
     "impl.native.provider",
     "impl.cli.qualify",

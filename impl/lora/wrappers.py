@@ -172,6 +172,8 @@ def _replicated_adapter_config(weight: torch.Tensor) -> ModelParallelConfig:
     return ModelParallelConfig(
         tensor_model_parallel_size=tp,
         sequence_parallel=False,
+        # CPU init draws from the CPU generator, seeded alike on every TP rank, so the replicas start equal;
+        # the adapter is then moved to the base weight's device.
         use_cpu_initialization=True,
         params_dtype=weight.dtype,
         gradient_accumulation_fusion=False,
@@ -233,10 +235,13 @@ def _matches_anywhere(patterns: Sequence[str], names: Sequence[str]) -> list[boo
         and parallel_state.get_pipeline_model_parallel_world_size() > 1
         and flags
     ):
-        # a target may live only on another pipeline stage (e.g. the indexer on ratio-4 layers)
-        t = torch.tensor(flags, dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
-        flags = [bool(v) for v in t.tolist()]
+        # A target may live only on another pipeline stage (e.g. the indexer on ratio-4 layers). The flags travel
+        # as objects: torch puts those on the backend's device (the current GPU under NCCL, which refuses CPU
+        # tensors), so this works under gloo and NCCL alike.
+        group = parallel_state.get_pipeline_model_parallel_group()
+        stages: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(stages, flags, group=group)
+        flags = [any(column) for column in zip(*stages, strict=True)]
     return flags
 
 

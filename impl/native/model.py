@@ -154,6 +154,10 @@ class DeepseekV4NativeModel(MegatronModule):
             )
         if self.include_mtp:
             self.mtp = DeepseekV4MTPBlock(config, tp_group=tp_group, params_dtype=params_dtype)
+        if not mp_config.use_cpu_initialization:
+            # Megatron's parallel layers were created on the GPU; the replicated blocks follow them now, so a chunk
+            # is never split across devices (get_model's later .cuda() is then a no-op).
+            self.to(torch.cuda.current_device())
 
     # -- pipeline plumbing ---------------------------------------------------------------------------------------
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:

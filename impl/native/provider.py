@@ -28,6 +28,10 @@ from impl.conversion.pipeline import Layout, resolve_pipeline_layout, stage_laye
 from impl.errors import MultiLoRAUnsupportedError, UnsupportedConfigError
 from impl.native.config import V4Config
 from impl.native.model import DeepseekV4NativeModel, validate_parallel_layout
+from impl.native.parallel import cpu_initialization
+
+#: Megatron's default ``--seed``; used only when a GPU build finds the model-parallel RNG unseeded.
+DEFAULT_SEED = 1234
 
 PreWrapHook = Callable[[list[MegatronModule]], list[MegatronModule] | None]
 
@@ -117,6 +121,14 @@ def _check_parallel_state(tp: int, ep: int, pp: int) -> None:
         )
 
 
+def _ensure_model_parallel_rng() -> None:
+    """GPU initialization draws from Megatron's model-parallel RNG tracker; seed it if the caller has not."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    if "model-parallel-rng" not in get_cuda_rng_tracker().get_states():
+        model_parallel_cuda_manual_seed(DEFAULT_SEED)
+
+
 def build_native_model(
     hf_config: Any,
     *,
@@ -149,6 +161,9 @@ def build_native_model(
     )
     provider.finalize()
     _check_parallel_state(tp, ep, pp)
+    on_cpu = cpu_initialization()
+    if not on_cpu:
+        _ensure_model_parallel_rng()
     if wrap_with_ddp and ddp_config is None:
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
     return provider.provide_distributed_model(
@@ -156,7 +171,7 @@ def build_native_model(
         wrap_with_ddp=wrap_with_ddp,
         fp16=False,
         bf16=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=on_cpu,
         pre_wrap_hook=list(pre_wrap_hooks) or None,
         mixed_precision_wrapper=None,
     )
