@@ -82,6 +82,8 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.lora.wrappers": (
         "DeepseekV4LoRA",
         "LoraHandle",
+        "MTP_POLICIES",
+        "MtpPolicy",
         "apply_grouped_wo_a",
         "apply_lora",
         "make_lora_pre_wrap_hook",

@@ -131,7 +131,9 @@ class DeepseekV4LoRARecipe:
     seq_length: int = 4096  # Megatron-Bridge's V4 provider default
     moe_token_dispatcher_type: str = "alltoall"  # the SFT recipe's choice (flex/HybridEP needs DeepEP kernels)
     recompute_modules: tuple[str, ...] = ("moe_act", "mhc")
-    include_mtp: bool = True  # MTP is built and trained through; its adapters are not exported (PEFT has no MTP)
+    # MTP is built (its layer and loss sit on the last stage) but LoRA leaves it alone: the targets carry
+    # mtp='exclude' (impl.MTP_POLICIES), since the main loss never trains it and PEFT/transformers has no MTP.
+    include_mtp: bool = True
     checkpoint: str | None = None
     preset: str | None = None  # tiny variants: the tiny_models preset the qualify base is written from
 

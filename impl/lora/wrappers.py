@@ -42,6 +42,8 @@ __all__ = [
     "DeepseekV4LoRA",
     "GroupedLoRALinear",
     "LoraHandle",
+    "MTP_POLICIES",
+    "MtpPolicy",
     "ReplicatedLoRALinear",
     "apply_grouped_wo_a",
     "apply_lora",
@@ -258,6 +260,35 @@ def _as_list(value) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
+@dataclass(frozen=True)
+class MtpPolicy:
+    """What the LoRA targets mean for the MTP layer (``mtp.layers.*``, built with ``include_mtp=True``)."""
+
+    name: str
+    wraps_mtp: bool
+    why: str
+
+
+#: ``exclude`` (default): the targets never reach the MTP layer. The manual pipeline trains through the main loss
+#: only, so MTP adapters would never update, and neither transformers nor SGLang can load MTP adapters.
+#: ``include``: the MTP attention is wrapped too (train it through an MTP loss; export it in the official dialect,
+#: or export with ``mtp='exclude'`` elsewhere).
+MTP_POLICIES: dict[str, MtpPolicy] = {
+    p.name: p
+    for p in (
+        MtpPolicy("exclude", False, "MTP is not trained by the main loss and transformers/SGLang cannot load it"),
+        MtpPolicy("include", True, "the caller trains the MTP layer through its own loss"),
+    )
+}
+MTP_PREFIX = "mtp."
+
+
+def _mtp_policy(mtp: str) -> MtpPolicy:
+    if mtp not in MTP_POLICIES:
+        raise TargetError(f"mtp={mtp!r}: choose one of {sorted(MTP_POLICIES)} (what LoRA does with the MTP layer)")
+    return MTP_POLICIES[mtp]
+
+
 @dataclass
 class LoraHandle:
     """What :func:`apply_lora` / the pre-wrap hook did."""
@@ -266,6 +297,7 @@ class LoraHandle:
     targets: list[str]  # qualified
     exclude: list[str]  # qualified
     wrapped: list[list[str]] = field(default_factory=list)  # per chunk, full module names
+    mtp: MtpPolicy = MTP_POLICIES["exclude"]
 
     @property
     def params_to_save(self) -> set[str]:
@@ -282,11 +314,14 @@ def make_lora_pre_wrap_hook(
     lora_A_init_method: str = "xavier",
     lora_B_init_method: str = "zero",
     adapter_names: Sequence[str] | None = None,
+    mtp: str = "exclude",
 ) -> Callable[[list[nn.Module]], list[nn.Module]]:
     """A Megatron-Bridge pre-wrap hook (before DDP): qualify, apply ``LoRA(training=True)``, record params to save.
 
+    ``mtp`` names a row of :data:`MTP_POLICIES` (default ``exclude``: nothing under ``mtp.`` is wrapped).
     The returned callable carries ``.handle`` (a :class:`LoraHandle`) once it has run.
     """
+    policy = _mtp_policy(mtp)
     if adapter_names is not None and len(list(adapter_names)) > 1:
         raise MultiLoRAUnsupportedError(
             f"DeepSeek-V4 native construction does not support Multi-LoRA (adapters {list(adapter_names)}); "
@@ -325,14 +360,15 @@ def make_lora_pre_wrap_hook(
 
         wrapped: list[list[str]] = []
         for c, (chunk, names) in enumerate(zip(chunks, lora_able, strict=True)):
+            hits = [n for n in names if any(bridge_pattern_matches(p, n) for p in q_targets)]
             meant = [
                 n
-                for n in names
-                if any(bridge_pattern_matches(p, n) for p in q_targets)
-                and not any(bridge_pattern_matches(p, n) for p in q_exclude)
+                for n in hits
+                if not any(bridge_pattern_matches(p, n) for p in q_exclude)
+                and (policy.wraps_mtp or not n.startswith(MTP_PREFIX))
             ]
             wrapped.append(meant)
-            if q_exclude:
+            if meant != hits:
                 # Bridge refuses exclude_modules next to target_modules: hand it the exact survivors instead
                 lora.target_modules = [re.escape(n) for n in meant]
             if meant:
@@ -343,10 +379,15 @@ def make_lora_pre_wrap_hook(
             if sorted(done) != sorted(meant):
                 raise TargetError(f"chunk {c}: LoRA wrapped {sorted(done)} but the targets select {sorted(meant)}")
         if not any(wrapped):
-            raise TargetError(f"the exclusions {raw_exclude} remove every module selected by the targets {raw_targets}")
+            raise TargetError(
+                f"the exclusions {raw_exclude} (and mtp={policy.name!r}) remove every module selected by the targets "
+                f"{raw_targets}"
+            )
         lora.target_modules = list(q_targets)
         lora.set_params_to_save(chunks)
-        hook.handle = LoraHandle(lora=lora, targets=list(q_targets), exclude=list(q_exclude), wrapped=wrapped)
+        hook.handle = LoraHandle(
+            lora=lora, targets=list(q_targets), exclude=list(q_exclude), wrapped=wrapped, mtp=policy
+        )
         return chunks
 
     hook.handle = None
@@ -365,6 +406,7 @@ def apply_lora(
     lora_A_init_method: str = "xavier",
     lora_B_init_method: str = "zero",
     adapter_names: Sequence[str] | None = None,
+    mtp: str = "exclude",
 ) -> LoraHandle:
     """Apply LoRA to already-built chunks (the pre-wrap hook, run now); only adapter params stay trainable."""
     hook = make_lora_pre_wrap_hook(
@@ -376,6 +418,7 @@ def apply_lora(
         lora_A_init_method=lora_A_init_method,
         lora_B_init_method=lora_B_init_method,
         adapter_names=adapter_names,
+        mtp=mtp,
     )
     hook(model_chunks)
     return hook.handle
