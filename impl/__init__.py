@@ -25,6 +25,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "impl.compat": (
         "CompatReport",
+        "TransformerEngineImportError",
         "TransformerEngineStubError",
     ),
     "impl.conversion.coverage": (

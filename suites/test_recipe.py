@@ -189,14 +189,27 @@ def test_tiny_variant_keeps_every_structural_choice(impl):
     assert _hash_prefix(cfg) >= 1, "tiny-tp lost its hash layer; the variant would not test hash placement"
 
 
+BOOLEAN_FLAGS = ("--no-oracle",)
+
+
+def _flags(words: list[str]) -> tuple[dict[str, str], set[str]]:
+    """``--flag value`` pairs and the bare boolean flags of a qualify command line (after ``qualify``)."""
+    switches = {w for w in words if w in BOOLEAN_FLAGS}
+    rest = [w for w in words if w not in BOOLEAN_FLAGS]
+    return dict(zip(rest[0::2], rest[1::2], strict=True)), switches
+
+
 def test_qualify_args_carry_the_recipe_and_need_a_checkpoint(impl, monkeypatch, tmp_path):
     monkeypatch.delenv("DSV4_FLASH_CHECKPOINT", raising=False)
     with pytest.raises(impl.UnsupportedConfigError, match="DSV4_FLASH_CHECKPOINT"):
         impl.to_qualify_args(impl.deepseek_v4_flash_lora_recipe())
     monkeypatch.setenv("DSV4_FLASH_CHECKPOINT", str(tmp_path))
     args = impl.to_qualify_args(impl.deepseek_v4_flash_lora_recipe(), out="o")
-    flags = dict(zip(args[1::2], args[2::2], strict=True))
+    flags, switches = _flags(args[1:])
     assert args[0] == "qualify" and flags["--base"] == str(tmp_path)
+    assert switches == {"--no-oracle"}, f"a full-size checkpoint recipe must qualify without the oracle: {args}"
+    tiny_flags, tiny_switches = _flags(impl.to_qualify_args(impl.tiny_variant())[1:])
+    assert not tiny_switches and tiny_flags["--preset"], "the tiny variant keeps the transformers oracle"
     assert {k: flags[k] for k in ("--tp", "--pp", "--ep", "--nproc", "--rank")} == {
         "--tp": "1",
         "--pp": "4",
@@ -241,8 +254,9 @@ def test_torchrun_script_passes_the_recipe_qualify_flags(impl, monkeypatch, tmp_
     block = re.search(r"-m impl\.cli qualify(.*?)\n\s*;;", text, re.S)
     assert block, "launch_torchrun.sh has no 'python -m impl.cli qualify' invocation"
     words = shlex.split(block[1].replace("\\\n", " "))
-    got = dict(zip(words[0::2], words[1::2], strict=True))
-    wanted = dict(zip(want[1::2], want[2::2], strict=True))
+    got, got_switches = _flags(words)
+    wanted, want_switches = _flags(want[1:])
+    assert got_switches == want_switches, f"launch_torchrun.sh switches {got_switches} != recipe {want_switches}"
     for flag in ("--tp", "--pp", "--ep", "--targets", "--rank", "--alpha"):
         assert got.get(flag) == wanted[flag], f"launch_torchrun.sh {flag} {got.get(flag)!r} != recipe {wanted[flag]!r}"
     assert got["--base"] == "$DSV4_FLASH_CHECKPOINT", f"launch_torchrun.sh --base {got['--base']!r}"

@@ -295,6 +295,8 @@ def to_qualify_args(
 
     A recipe with a checkpoint qualifies that base; a tiny variant lets qualify write its preset's base.
     qualify has no dropout/optimizer flags: it trains with dropout 0 so adapter logits are comparable exactly.
+    A checkpoint recipe is full size, so it runs ``--no-oracle``: the transformers oracle of a whole Flash base
+    would need several hundred GB on rank 0's host.
     """
     if recipe.vpp:
         raise UnsupportedConfigError(f"dsv4-lora qualify runs one chunk per rank; recipe has VPP={recipe.vpp}")
@@ -332,4 +334,5 @@ def to_qualify_args(
         str(timeout_s),
         "--out",
         str(out),
+        *(["--no-oracle"] if recipe.checkpoint else []),
     ]
