@@ -89,6 +89,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "apply_lora",
         "make_lora_pre_wrap_hook",
     ),
+    "impl.lora.optimizer": ("AdapterOptimizer",),
     "impl.conversion.mapping": (
         "MAPPING_TABLE",
         "MappingRow",
@@ -117,6 +118,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "DeepseekV4Attention",
         "grouped_wo_a",
     ),
+    "impl.native.activations": ("ActivationPlan",),
     "impl.native.parallel": ("cpu_initialization",),
     "impl.native.placement": (
         "DevicePlacementError",
@@ -179,10 +181,12 @@ _NEEDS_MEGATRON = {
     "impl.conversion.bridge",
     "impl.conversion.coverage",
     "impl.lora.wrappers",
+    "impl.lora.optimizer",
     "impl.conversion.mapping",
     "impl.native",
     "impl.native.attention",
     "impl.native.norm",
+    "impl.native.activations",
     "impl.native.parallel",
     "impl.native.placement",
     "impl.native.rope",
