@@ -131,3 +131,17 @@ def test_included_mtp_lora_is_untrained_by_the_main_loss_and_only_official_carri
 def test_unknown_mtp_policy_is_a_target_error(impl):
     with pytest.raises(impl.TargetError, match="mtp="):
         impl.make_lora_pre_wrap_hook(targets=TARGETS, rank=4, alpha=8.0, mtp="train")
+
+
+@pytest.mark.parametrize("exclude", [None, ["*.layers.3.*"]], ids=["mtp-only", "mtp-and-an-exclusion"])
+def test_last_stage_with_mtp_wraps_its_own_global_layers(impl, exclude):
+    """A last pipeline stage holds global layers 2-3 and the MTP layer: excluding MTP (or anything) must still wrap
+    exactly the selected layers, although Megatron-Bridge's walk names them by position (layers.0, layers.1)."""
+    from tiny_models.presets import get_preset
+
+    cfg = impl.V4Config.from_hf(get_preset(PRESET))
+    model = impl.DeepseekV4NativeModel(cfg, layer_numbers=[2, 3], include_mtp=True)
+    handle = impl.apply_lora(model, targets=["wq_a", "wo_b"], exclude=exclude, rank=2, alpha=4.0)
+    layers = [2] if exclude else [2, 3]
+    want = [f"decoder.layers.{n}.self_attention.{t}" for n in layers for t in ("wq_a", "wo_b")]
+    assert sorted(handle.wrapped[0]) == sorted(want), f"wrapped {handle.wrapped[0]}, expected {want}"

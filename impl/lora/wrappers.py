@@ -224,6 +224,18 @@ class DeepseekV4LoRA(LoRA):
 # -------------------------------------------------------------------------------------------- application
 
 
+def _bridge_walk_names(module: nn.Module, prefix: str = "") -> dict[int, str]:
+    """``id(submodule) -> full name`` as Megatron-Bridge's PEFT walk spells it: ``ModuleList`` children by
+    position (``decoder.layers.0`` on a stage that holds global layer 11), everything else by attribute name."""
+    out: dict[int, str] = {}
+    positional = isinstance(module, nn.ModuleList)
+    for i, (name, child) in enumerate(module.named_children()):
+        full = f"{prefix}.{i if positional else name}" if prefix else str(i if positional else name)
+        out[id(child)] = full
+        out.update(_bridge_walk_names(child, full))
+    return out
+
+
 def lora_able_module_names(chunk: nn.Module) -> list[str]:
     """Full names (as Bridge's walk sees them) of the modules LoRA can wrap."""
     return [n for n, m in chunk.named_modules() if n and isinstance(m, _LORA_ABLE)]
@@ -369,8 +381,10 @@ def make_lora_pre_wrap_hook(
             ]
             wrapped.append(meant)
             if meant != hits:
-                # Bridge refuses exclude_modules next to target_modules: hand it the exact survivors instead
-                lora.target_modules = [re.escape(n) for n in meant]
+                # Bridge refuses exclude_modules next to target_modules: hand it the exact survivors instead, under
+                # the names its walk gives them (a ModuleList child by position, not by its global layer number)
+                walk = _bridge_walk_names(chunk)
+                lora.target_modules = [re.escape(walk[id(chunk.get_submodule(n))]) for n in meant]
             if meant:
                 lora(chunk, training=True)
             else:
