@@ -152,12 +152,22 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.cli.recipe": (
         "CHECKPOINT_ENV",
         "FLASH_SHAPE",
+        "PRO_SHAPE",
         "DeepseekV4LoRARecipe",
         "ModelShape",
         "OptimizerSettings",
         "deepseek_v4_flash_lora_recipe",
+        "deepseek_v4_pro_lora_recipe",
         "tiny_variant",
         "to_qualify_args",
+    ),
+    "impl.cli.memory": (
+        "ActivationShape",
+        "StageMemory",
+        "format_memory_table",
+        "layer_activation_bytes",
+        "recipe_memory",
+        "stage_activation_bytes",
     ),
     "impl.cli.qualify": (
         "QualifyOptions",

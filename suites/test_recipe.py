@@ -50,7 +50,15 @@ def test_flash_recipe_is_the_upstream_sft_layout_on_32_gpus(impl):
     assert (recipe.nodes, recipe.gpus_per_node, recipe.world_size) == (4, 8, 32)
     assert (recipe.tp, recipe.pp, recipe.ep, recipe.vpp) == (1, 4, 8, None), "upstream SFT: TP=1 PP=4 EP=8"
     assert recipe.data_parallel_size == 32 // (1 * 4), f"DP {recipe.data_parallel_size}"
-    assert recipe.moe_token_dispatcher_type == "alltoall" and set(recipe.recompute_modules) == {"moe_act", "mhc"}
+    assert recipe.moe_token_dispatcher_type == "alltoall"
+    # LoRA recomputes whole layers (the memory table in recipes/deepseek_v4_flash_lora.md shows why)
+    plan = recipe.activation_plan()
+    assert (plan["recompute_granularity"], plan["recompute_method"], plan["recompute_num_layers"]) == (
+        "full",
+        "uniform",
+        1,
+    ), plan
+    impl.ActivationPlan(**plan)  # a plan the native layers accept
     dp_batch = recipe.micro_batch_size * recipe.data_parallel_size
     assert recipe.global_batch_size % dp_batch == 0, f"global batch {recipe.global_batch_size} vs {dp_batch}"
 
@@ -174,7 +182,7 @@ def test_tiny_variant_keeps_every_structural_choice(impl):
     flash = impl.deepseek_v4_flash_lora_recipe()
     tiny = impl.tiny_variant(flash)
     kept = ("targets", "lora_rank", "lora_alpha", "lora_dropout", "optimizer", "moe_token_dispatcher_type")
-    for name in (*kept, "recompute_modules", "include_mtp", "tp"):
+    for name in (*kept, "recompute_granularity", "recompute_method", "recompute_modules", "include_mtp", "tp"):
         assert getattr(tiny, name) == getattr(flash, name), f"tiny variant changed {name}"
     assert (tiny.world_size, tiny.pp, tiny.ep, tiny.preset) == (2, 2, 1, "tiny-tp")
     cfg = get_preset("tiny-tp")
