@@ -32,6 +32,10 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "CoverageReport",
         "coverage_report",
     ),
+    "impl.conversion.dequant": (
+        "dequantize_fp8_blocks",
+        "dequantize_mxfp4",
+    ),
     "impl.conversion.detect": (
         "V4_ARCHITECTURE",
         "is_deepseek_v4_config",

@@ -55,6 +55,7 @@ from safetensors import safe_open
 from torch import nn
 
 from impl.adapter.gather import gather_adapter_state
+from impl.conversion.dequant import read_official
 from impl.conversion.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
 from impl.errors import CheckpointMappingError, ConversionOnlyBridgeError, CorruptCheckpointError, QuantizationError
 
@@ -420,13 +421,6 @@ def _all_gather(obj: Any) -> list[Any]:
     return [obj]
 
 
-def _read_official(hf_param: str | dict[str, str], state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Any:
-    if maybe_dequantize_hf_quantized_weight is not None:
-        return maybe_dequantize_hf_quantized_weight(hf_param, state, dtype=dtype)
-    # No dequantizer: validation already rejected every quantized weight, so these are plain tensors.
-    return {k: state[v] for k, v in hf_param.items()} if isinstance(hf_param, dict) else state[hf_param]
-
-
 def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir: str | Path) -> LoadReport:
     """Strictly load an official-layout V4 checkpoint into native model chunks (collective over all ranks)."""
     chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
@@ -506,7 +500,10 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
     state = _LazyState(ckpt, headers)
     with torch.no_grad():
         for nt, mapping, _row in plan:
-            hf = _read_official(mapping.hf_param, state, nt.tensor.dtype)
+            # Bridge's dequantized values, computed faster, on the parameter's device (impl.conversion.dequant)
+            hf = read_official(
+                mapping.hf_param, state, nt.tensor.dtype, nt.tensor.device, maybe_dequantize_hf_quantized_weight
+            )
             converted = mapping.hf_to_megatron(hf, nt.module)
             if converted.shape != nt.tensor.shape:  # defensive: validation should make this unreachable
                 raise CheckpointMappingError(
