@@ -25,6 +25,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "impl.compat": (
         "CompatReport",
+        "TransformerEngineImportError",
         "TransformerEngineStubError",
     ),
     "impl.conversion.coverage": (
@@ -32,6 +33,10 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "coverage_report",
     ),
     "impl.conversion.dispatch": ("ProviderDispatchError", "provider_through_megatron_bridge"),
+    "impl.conversion.dequant": (
+        "dequantize_fp8_blocks",
+        "dequantize_mxfp4",
+    ),
     "impl.conversion.detect": (
         "V4_ARCHITECTURE",
         "is_deepseek_v4_config",
@@ -101,10 +106,13 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.lora.wrappers": (
         "DeepseekV4LoRA",
         "LoraHandle",
+        "MTP_POLICIES",
+        "MtpPolicy",
         "apply_grouped_wo_a",
         "apply_lora",
         "make_lora_pre_wrap_hook",
     ),
+    "impl.lora.optimizer": ("AdapterOptimizer",),
     "impl.conversion.mapping": (
         "MAPPING_TABLE",
         "MappingRow",
@@ -126,6 +134,15 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "AttentionInputError",
         "DeepseekV4Attention",
         "grouped_wo_a",
+    ),
+    "impl.native.activations": ("ActivationPlan",),
+    "impl.native.parallel": ("cpu_initialization",),
+    "impl.native.placement": (
+        "DevicePlacementError",
+        "Misplaced",
+        "audit_devices",
+        "rank_device",
+        "require_devices",
     ),
     "impl.native.norm": (
         "RMSNorm",
@@ -156,14 +173,24 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.cli.recipe": (
         "CHECKPOINT_ENV",
         "FLASH_SHAPE",
+        "PRO_SHAPE",
         "DeepseekV4LoRARecipe",
         "ModelShape",
         "OptimizerSettings",
         "TINY_MODELS",
         "TinyModel",
         "deepseek_v4_flash_lora_recipe",
+        "deepseek_v4_pro_lora_recipe",
         "tiny_variant",
         "to_qualify_args",
+    ),
+    "impl.cli.memory": (
+        "ActivationShape",
+        "StageMemory",
+        "format_memory_table",
+        "layer_activation_bytes",
+        "recipe_memory",
+        "stage_activation_bytes",
     ),
     "impl.cli.qualify": (
         "QualifyOptions",
@@ -197,6 +224,7 @@ _NEEDS_MEGATRON = {
     "impl.conversion.dispatch",
     "impl.lora.wrappers",
     "impl.lora.training",
+    "impl.lora.optimizer",
     "impl.conversion.mapping",
     "impl.native.hyper",
     "impl.native.layer",
@@ -205,6 +233,9 @@ _NEEDS_MEGATRON = {
     "impl.native.mtp",
     "impl.native.attention",
     "impl.native.norm",
+    "impl.native.activations",
+    "impl.native.parallel",
+    "impl.native.placement",
     "impl.native.rope",
     "impl.native.provider",
     "impl.cli.qualify",

@@ -52,7 +52,15 @@ def test_flash_recipe_is_the_upstream_sft_layout_on_32_gpus(impl):
     assert (recipe.nodes, recipe.gpus_per_node, recipe.world_size) == (4, 8, 32)
     assert (recipe.tp, recipe.pp, recipe.ep, recipe.vpp) == (1, 4, 8, None), "upstream SFT: TP=1 PP=4 EP=8"
     assert recipe.data_parallel_size == 32 // (1 * 4), f"DP {recipe.data_parallel_size}"
-    assert recipe.moe_token_dispatcher_type == "alltoall" and set(recipe.recompute_modules) == {"moe_act", "mhc"}
+    assert recipe.moe_token_dispatcher_type == "alltoall"
+    # LoRA recomputes whole layers (the memory table in recipes/deepseek_v4_flash_lora.md shows why)
+    plan = recipe.activation_plan()
+    assert (plan["recompute_granularity"], plan["recompute_method"], plan["recompute_num_layers"]) == (
+        "full",
+        "uniform",
+        1,
+    ), plan
+    impl.ActivationPlan(**plan)  # a plan the native layers accept
     dp_batch = recipe.micro_batch_size * recipe.data_parallel_size
     assert recipe.global_batch_size % dp_batch == 0, f"global batch {recipe.global_batch_size} vs {dp_batch}"
 
@@ -177,7 +185,7 @@ def test_tiny_variant_keeps_every_structural_choice(impl):
     flash = impl.deepseek_v4_flash_lora_recipe()
     tiny = impl.tiny_variant(flash)
     kept = ("targets", "lora_rank", "lora_alpha", "lora_dropout", "optimizer", "moe_token_dispatcher_type")
-    for name in (*kept, "recompute_modules", "include_mtp", "tp"):
+    for name in (*kept, "recompute_granularity", "recompute_method", "recompute_modules", "include_mtp", "tp"):
         assert getattr(tiny, name) == getattr(flash, name), f"tiny variant changed {name}"
     assert (tiny.world_size, tiny.pp, tiny.ep, tiny.preset) == (2, 2, 1, "tiny-tp")
     cfg = get_preset("tiny-tp")
@@ -210,14 +218,27 @@ def test_tiny_variant_on_an_unknown_preset_is_rejected(impl):
         impl.tiny_variant(preset="tiny-huge")
 
 
+BOOLEAN_FLAGS = ("--no-oracle",)
+
+
+def _flags(words: list[str]) -> tuple[dict[str, str], set[str]]:
+    """``--flag value`` pairs and the bare boolean flags of a qualify command line (after ``qualify``)."""
+    switches = {w for w in words if w in BOOLEAN_FLAGS}
+    rest = [w for w in words if w not in BOOLEAN_FLAGS]
+    return dict(zip(rest[0::2], rest[1::2], strict=True)), switches
+
+
 def test_qualify_args_carry_the_recipe_and_need_a_checkpoint(impl, monkeypatch, tmp_path):
     monkeypatch.delenv("DSV4_FLASH_CHECKPOINT", raising=False)
     with pytest.raises(impl.UnsupportedConfigError, match="DSV4_FLASH_CHECKPOINT"):
         impl.to_qualify_args(impl.deepseek_v4_flash_lora_recipe())
     monkeypatch.setenv("DSV4_FLASH_CHECKPOINT", str(tmp_path))
     args = impl.to_qualify_args(impl.deepseek_v4_flash_lora_recipe(), out="o")
-    flags = dict(zip(args[1::2], args[2::2], strict=True))
+    flags, switches = _flags(args[1:])
     assert args[0] == "qualify" and flags["--base"] == str(tmp_path)
+    assert switches == {"--no-oracle"}, f"a full-size checkpoint recipe must qualify without the oracle: {args}"
+    tiny_flags, tiny_switches = _flags(impl.to_qualify_args(impl.tiny_variant())[1:])
+    assert not tiny_switches and tiny_flags["--preset"], "the tiny variant keeps the transformers oracle"
     assert {k: flags[k] for k in ("--tp", "--pp", "--ep", "--nproc", "--rank")} == {
         "--tp": "1",
         "--pp": "4",
@@ -299,8 +320,9 @@ def test_torchrun_script_passes_the_recipe_qualify_flags(impl, monkeypatch, tmp_
     block = re.search(r"-m impl\.cli qualify(.*?)\n\s*;;", text, re.S)
     assert block, "launch_torchrun.sh has no qualify invocation of the command line"
     words = shlex.split(block[1].replace("\\\n", " "))
-    got = dict(zip(words[0::2], words[1::2], strict=True))
-    wanted = dict(zip(want[1::2], want[2::2], strict=True))
+    got, got_switches = _flags(words)
+    wanted, want_switches = _flags(want[1:])
+    assert got_switches == want_switches, f"launch_torchrun.sh switches {got_switches} != recipe {want_switches}"
     for flag in ("--tp", "--pp", "--ep", "--targets", "--rank", "--alpha"):
         assert got.get(flag) == wanted[flag], f"launch_torchrun.sh {flag} {got.get(flag)!r} != recipe {wanted[flag]!r}"
     assert got["--base"] == "$DSV4_FLASH_CHECKPOINT", f"launch_torchrun.sh --base {got['--base']!r}"

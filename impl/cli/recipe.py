@@ -1,7 +1,7 @@
 """A LoRA recipe for DeepSeek-V4-Flash on 4 nodes x 8 GPUs, and its tiny twin that runs on 2 CPU ranks.
 
 Megatron-Bridge 0.6.2 ships DeepSeek-V4-Flash SFT recipes (``deepseek_v4_flash_sft_32gpu_h100_bf16_config``:
-TP=1, PP=4, EP=8, alltoall dispatcher, recompute ``moe_act``/``mhc``, Adam, bf16) but no LoRA/PEFT recipe.
+TP=1, PP=4, EP=8, alltoall dispatcher, selective recompute ``moe_act``/``mhc``, Adam, bf16) but no LoRA/PEFT recipe.
 :func:`deepseek_v4_flash_lora_recipe` keeps the SFT parallel layout and adds the LoRA settings.
 :func:`tiny_variant` keeps every structural choice (targets, rank/alpha, generated pipeline layout with hash
 layers on stage 0 and MTP + loss last, optimizer, hardware gate) and shrinks the model to a tiny preset on
@@ -25,11 +25,13 @@ __all__ = [
     "CHECKPOINT_ENV",
     "FLASH_SHAPE",
     "TINY_MODELS",
+    "PRO_SHAPE",
     "DeepseekV4LoRARecipe",
     "ModelShape",
     "OptimizerSettings",
     "TinyModel",
     "deepseek_v4_flash_lora_recipe",
+    "deepseek_v4_pro_lora_recipe",
     "tiny_variant",
     "to_qualify_args",
 ]
@@ -63,6 +65,19 @@ FLASH_SHAPE = ModelShape(
     num_experts=256,
     num_heads=64,
     o_groups=8,
+    vocab_size=129280,
+)
+
+
+#: DeepSeek-V4-Pro, from the published config.json (v4_architecture.md §2.1).
+PRO_SHAPE = ModelShape(
+    name="DeepSeek-V4-Pro",
+    num_layers=61,
+    num_hash_layers=3,
+    mtp_layers=1,
+    num_experts=384,
+    num_heads=128,
+    o_groups=16,
     vocab_size=129280,
 )
 
@@ -139,8 +154,19 @@ class DeepseekV4LoRARecipe:
     global_batch_size: int = 128
     seq_length: int = 4096  # Megatron-Bridge's V4 provider default
     moe_token_dispatcher_type: str = "alltoall"  # the SFT recipe's choice (flex/HybridEP needs DeepEP kernels)
-    recompute_modules: tuple[str, ...] = ("moe_act", "mhc")
-    include_mtp: bool = True  # MTP is built and trained through; its adapters are not exported (PEFT has no MTP)
+    # Megatron's recompute options, honoured by the native layers (impl.ActivationPlan). Upstream SFT recomputes
+    # moe_act/mhc selectively; at micro-batch 1 x 4096 tokens with 11 layers and 4 micro-batches in flight on
+    # stage 0 that keeps ~150 GB of activations here, so the LoRA recipe recomputes whole layers
+    # (recipes/deepseek_v4_flash_lora.md, memory table).
+    recompute_granularity: str | None = "full"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    recompute_modules: tuple[str, ...] = ()
+    attention_chunk_threshold: int = 1024  # above this many tokens attention runs over query blocks
+    attention_query_block: int = 256
+    # MTP is built (its layer and loss sit on the last stage) but LoRA leaves it alone: the targets carry
+    # mtp='exclude' (impl.MTP_POLICIES), since the main loss never trains it and PEFT/transformers has no MTP.
+    include_mtp: bool = True
     checkpoint: str | None = None
     preset: str | None = None  # tiny variants: the tiny_models preset the qualify base is written from
 
@@ -198,6 +224,17 @@ class DeepseekV4LoRARecipe:
             num_hash_layers=m.num_hash_layers,
             mtp_layers=m.mtp_layers if self.include_mtp else 0,
         )
+
+    def activation_plan(self) -> dict[str, Any]:
+        """Keyword arguments of ``impl.ActivationPlan`` (and of the memory model) for this recipe."""
+        return {
+            "recompute_granularity": self.recompute_granularity,
+            "recompute_method": self.recompute_method,
+            "recompute_num_layers": self.recompute_num_layers,
+            "recompute_modules": tuple(self.recompute_modules),
+            "attention_chunk_threshold": self.attention_chunk_threshold,
+            "attention_query_block": self.attention_query_block,
+        }
 
     @property
     def world_size(self) -> int:
@@ -260,6 +297,32 @@ def deepseek_v4_flash_lora_recipe(
     )
 
 
+def deepseek_v4_pro_lora_recipe(
+    *, nodes: int = 16, gpus_per_node: int = 8, tp: int = 4, pp: int = 8, ep: int = 16
+) -> DeepseekV4LoRARecipe:
+    """The Flash recipe's LoRA settings on DeepSeek-V4-Pro: 128 GPUs, TP=4 PP=8 EP=16 (DP derived = 4).
+
+    Why this layout (recipes/deepseek_v4_flash_lora.md, Pro memory table): the bf16 base is ~3.2 TB (almost all
+    routed experts), so 16 nodes is the smallest that holds it with room for activations: 8 stages of <= 8 layers
+    with the experts over 16 ranks leave ~28 GB of weights per rank. Pro's 128-head attention dominates a
+    recomputed layer, and stage 0 holds 8 micro-batches under 1F1B: at TP=1 the heaviest rank needs ~84 GB, at
+    TP=2 ~71 GB, at TP=4 ~62 GB (heads stay whole: 32 per rank, 4 output groups per rank).
+    """
+    if min(tp, pp, ep) < 1:
+        raise UnsupportedConfigError(f"parallel sizes must be >= 1, got TP={tp} PP={pp} EP={ep}")
+    return DeepseekV4LoRARecipe(
+        model=PRO_SHAPE,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        pipeline_layout=_layout_for(PRO_SHAPE, pp, include_mtp=True),
+        fused=fused_kernel_defaults(),
+        global_batch_size=256,
+    )
+
+
 def tiny_variant(
     recipe: DeepseekV4LoRARecipe | None = None, *, preset: str = "tiny-tp", tp: int = 1, pp: int = 2, ep: int = 1
 ) -> DeepseekV4LoRARecipe:
@@ -302,6 +365,8 @@ def to_qualify_args(
 
     A recipe with a checkpoint qualifies that base; a tiny variant lets qualify write its preset's base.
     qualify has no dropout/optimizer flags: it trains with dropout 0 so adapter logits are comparable exactly.
+    A checkpoint recipe is full size, so it runs ``--no-oracle``: the transformers oracle of a whole Flash base
+    would need several hundred GB on rank 0's host.
     """
     if recipe.vpp:
         raise UnsupportedConfigError(f"dsv4-lora qualify runs one chunk per rank; recipe has VPP={recipe.vpp}")
@@ -339,4 +404,5 @@ def to_qualify_args(
         str(timeout_s),
         "--out",
         str(out),
+        *(["--no-oracle"] if recipe.checkpoint else []),
     ]

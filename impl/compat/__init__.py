@@ -9,20 +9,31 @@ Three pieces, each inactive when the real thing exists:
 | ``mla`` | the local ``DotProductAttention`` rejects ``k_channels`` | accepts ``k_channels``/``v_channels`` as TE's attention does (megatron-core local-spec MLA bug) |
 
 ``install()`` applies all three in the order that matters (megatron-core first, so its own
-``HAVE_TE`` probes see the truth) and is idempotent. Why each piece exists: ``docs/reference/cpu_environment.md``.
+``HAVE_TE`` probes see the truth) and is idempotent. ``megatron.training`` is imported first too when it exists
+(source-built containers may lack it; nothing here needs it). A Transformer Engine that is installed but does not
+import (wrong CUDA / torch ABI) is reported as :class:`TransformerEngineImportError` with its cause: megatron-core
+would otherwise fall back silently and Megatron-Bridge fail later on an unrelated-looking import.
 
 ``megatron_bridge`` is not a stand-in: it holds every access to a Megatron-Bridge private attribute, each behind a
-named function, so the rest of ``impl`` depends on Megatron-Bridge's public surface only.
+named function, so the rest of ``impl`` depends on Megatron-Bridge's public surface only. Why each piece exists:
+``docs/reference/cpu_environment.md``.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Any
 
 from impl.compat import cpu, mla, te_stub
 from impl.compat.te_stub import TransformerEngineStubError
+from impl.errors import Dsv4Error
 
-__all__ = ["CompatReport", "TransformerEngineStubError", "install"]
+__all__ = ["CompatReport", "TransformerEngineImportError", "TransformerEngineStubError", "install"]
+
+
+class TransformerEngineImportError(Dsv4Error, ImportError):
+    """``transformer_engine`` is installed but fails to import (the cause is chained and named)."""
 
 
 @dataclass(frozen=True)
@@ -40,17 +51,46 @@ def install() -> CompatReport:
     global _REPORT
     if _REPORT is not None:
         return _REPORT
+    if te_stub.real_te_available():  # before megatron-core, whose own TE probes would fail obscurely
+        _require_real_te()
     import megatron.core  # noqa: F401  (must precede the TE stub)
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.training  # noqa: F401
 
+    _import_optional("megatron.training")
     stub = te_stub.install_if_absent()
     shims = cpu.install_if_no_cuda()
     fix = mla.install_if_needed()
     if stub:
-        # megatron.bridge.peft.utils probes TE with isinstance(); placeholders are not TE types.
-        import megatron.bridge.peft.utils as peft_utils
-
-        peft_utils.HAVE_TE = False
+        # megatron.bridge.peft.utils probes TE with isinstance(); placeholders are not TE types. (Bridge 0.6.2
+        # itself imports megatron.training; without it Bridge fails on its own import, naming that module.)
+        peft_utils = _import_optional("megatron.bridge.peft.utils")
+        if peft_utils is not None:
+            peft_utils.HAVE_TE = False
     _REPORT = CompatReport(te_stub=stub, cpu_shims=shims, mla_fix=fix)
     return _REPORT
+
+
+#: what a source-built container may lack; its absence is not an error for the compat layer
+_OPTIONAL = "megatron.training"
+
+
+def _import_optional(name: str) -> Any:
+    """Import ``name``; None when that fails only because :data:`_OPTIONAL` is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing == _OPTIONAL or missing.startswith(_OPTIONAL + ".") or _OPTIONAL.startswith(missing + "."):
+            return None
+        raise
+
+
+def _require_real_te() -> None:
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as exc:  # ImportError, OSError (missing libcudart), RuntimeError (ABI checks)
+        raise TransformerEngineImportError(
+            f"transformer_engine is installed but does not import ({type(exc).__name__}: {exc}). Megatron-Bridge "
+            "imports it unconditionally. Reinstall a Transformer Engine built for this torch and CUDA, or "
+            "uninstall it on a CPU host (impl then uses its import stub)."
+        ) from exc

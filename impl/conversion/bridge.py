@@ -67,6 +67,7 @@ from impl.conversion.checkpoint import (
     quantization_problems,
     read_headers,
 )
+from impl.conversion.dequant import read_official
 from impl.conversion.detect import require_deepseek_v4_config
 from impl.conversion.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
 from impl.errors import CheckpointMappingError, QuantizationError
@@ -305,13 +306,6 @@ def _all_gather(obj: Any) -> list[Any]:
     return [obj]
 
 
-def _read_official(hf_param: str | dict[str, str], state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Any:
-    if maybe_dequantize_hf_quantized_weight is not None:
-        return maybe_dequantize_hf_quantized_weight(hf_param, state, dtype=dtype)
-    # No dequantizer: validation already rejected every quantized weight, so these are plain tensors.
-    return {k: state[v] for k, v in hf_param.items()} if isinstance(hf_param, dict) else state[hf_param]
-
-
 def _plan_load(
     natives: list[_NativeTensor], headers: dict[str, Header]
 ) -> tuple[list[tuple[_NativeTensor, MegatronParamMapping]], set[str], list[str]]:
@@ -402,7 +396,10 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
     state = LazyState(ckpt, headers)
     with torch.no_grad():
         for nt, mapping in plan:
-            hf = _read_official(mapping.hf_param, state, nt.tensor.dtype)
+            # Bridge's dequantized values, computed faster, on the parameter's device (impl.conversion.dequant)
+            hf = read_official(
+                mapping.hf_param, state, nt.tensor.dtype, nt.tensor.device, maybe_dequantize_hf_quantized_weight
+            )
             converted = mapping.hf_to_megatron(hf, nt.module)
             if converted.shape != nt.tensor.shape:  # defensive: validation should make this unreachable
                 raise CheckpointMappingError(

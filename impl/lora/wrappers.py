@@ -45,6 +45,8 @@ __all__ = [
     "DeepseekV4LoRA",
     "GroupedLoRALinear",
     "LoraHandle",
+    "MTP_POLICIES",
+    "MtpPolicy",
     "ReplicatedLoRALinear",
     "apply_grouped_wo_a",
     "apply_lora",
@@ -180,6 +182,8 @@ def _replicated_adapter_config(weight: torch.Tensor) -> ModelParallelConfig:
     return ModelParallelConfig(
         tensor_model_parallel_size=tp,
         sequence_parallel=False,
+        # CPU init draws from the CPU generator, seeded alike on every TP rank, so the replicas start equal;
+        # the adapter is then moved to the base weight's device.
         use_cpu_initialization=True,
         params_dtype=weight.dtype,
         gradient_accumulation_fusion=False,
@@ -263,9 +267,13 @@ def _on_any_stage(flags: list[bool]) -> list[bool]:
         and parallel_state.get_pipeline_model_parallel_world_size() > 1
         and flags
     ):
-        t = torch.tensor(flags, dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
-        flags = [bool(v) for v in t.tolist()]
+        # A target may live only on another pipeline stage (e.g. the indexer on ratio-4 layers). The flags travel
+        # as objects: torch puts those on the backend's device (the current GPU under NCCL, which refuses CPU
+        # tensors), so this works under gloo and NCCL alike.
+        group = parallel_state.get_pipeline_model_parallel_group()
+        stages: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(stages, flags, group=group)
+        flags = [any(column) for column in zip(*stages, strict=True)]
     return flags
 
 
@@ -287,6 +295,35 @@ def _as_list(value) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
+@dataclass(frozen=True)
+class MtpPolicy:
+    """What the LoRA targets mean for the MTP layer (``mtp.layers.*``, built with ``include_mtp=True``)."""
+
+    name: str
+    wraps_mtp: bool
+    why: str
+
+
+#: ``exclude`` (default): the targets never reach the MTP layer. The manual pipeline trains through the main loss
+#: only, so MTP adapters would never update, and neither transformers nor SGLang can load MTP adapters.
+#: ``include``: the MTP attention is wrapped too (train it through an MTP loss; export it in the official dialect,
+#: or export with ``mtp='exclude'`` elsewhere).
+MTP_POLICIES: dict[str, MtpPolicy] = {
+    p.name: p
+    for p in (
+        MtpPolicy("exclude", False, "MTP is not trained by the main loss and transformers/SGLang cannot load it"),
+        MtpPolicy("include", True, "the caller trains the MTP layer through its own loss"),
+    )
+}
+MTP_PREFIX = "mtp."
+
+
+def _mtp_policy(mtp: str) -> MtpPolicy:
+    if mtp not in MTP_POLICIES:
+        raise TargetError(f"mtp={mtp!r}: choose one of {sorted(MTP_POLICIES)} (what LoRA does with the MTP layer)")
+    return MTP_POLICIES[mtp]
+
+
 @dataclass
 class LoraHandle:
     """What :func:`apply_lora` / the pre-wrap hook did."""
@@ -295,10 +332,32 @@ class LoraHandle:
     targets: list[str]  # qualified
     exclude: list[str]  # qualified
     wrapped: list[list[str]] = field(default_factory=list)  # per chunk, full module names
+    mtp: MtpPolicy = MTP_POLICIES["exclude"]
 
     @property
     def params_to_save(self) -> set[str]:
         return self.lora.params_to_save
+
+
+def _wrap_chunk(lora, c: int, chunk: nn.Module, names, q_targets, q_exclude, policy) -> list[str]:
+    """LoRA on exactly the modules of ``chunk`` the qualified targets select and nothing excludes (the rest frozen);
+    returns their names, checked against what Megatron-Bridge actually wrapped."""
+    hits = [n for n in names if any(bridge_pattern_matches(p, n) for p in q_targets)]
+    meant = [
+        n
+        for n in hits
+        if not any(bridge_pattern_matches(p, n) for p in q_exclude)
+        and (policy.wraps_mtp or not n.startswith(MTP_PREFIX))
+    ]
+    lora.target_modules = _exact_walk_targets(chunk, meant)
+    if meant:
+        lora(chunk, training=True)
+    else:
+        lora.freeze_model(chunk, training=True)
+    done = [n for n, m in chunk.named_modules() if isinstance(m, (AdapterWrapper, LinearAdapter))]
+    if sorted(done) != sorted(meant):
+        raise TargetError(f"chunk {c}: LoRA wrapped {sorted(done)} but the targets select {sorted(meant)}")
+    return meant
 
 
 def make_lora_pre_wrap_hook(
@@ -311,11 +370,14 @@ def make_lora_pre_wrap_hook(
     lora_A_init_method: str = "xavier",
     lora_B_init_method: str = "zero",
     adapter_names: Sequence[str] | None = None,
+    mtp: str = "exclude",
 ) -> Callable[[list[nn.Module]], list[nn.Module]]:
     """A Megatron-Bridge pre-wrap hook (before DDP): qualify, apply ``LoRA(training=True)``, record params to save.
 
+    ``mtp`` names a row of :data:`MTP_POLICIES` (default ``exclude``: nothing under ``mtp.`` is wrapped).
     The returned callable carries ``.handle`` (a :class:`LoraHandle`) once it has run.
     """
+    policy = _mtp_policy(mtp)
     if adapter_names is not None and len(list(adapter_names)) > 1:
         raise MultiLoRAUnsupportedError(
             f"DeepSeek-V4 native construction does not support Multi-LoRA (adapters {list(adapter_names)}); "
@@ -354,26 +416,17 @@ def make_lora_pre_wrap_hook(
 
         wrapped: list[list[str]] = []
         for c, (chunk, names) in enumerate(zip(chunks, lora_able, strict=True)):
-            meant = [
-                n
-                for n in names
-                if any(bridge_pattern_matches(p, n) for p in q_targets)
-                and not any(bridge_pattern_matches(p, n) for p in q_exclude)
-            ]
-            wrapped.append(meant)
-            lora.target_modules = _exact_walk_targets(chunk, meant)
-            if meant:
-                lora(chunk, training=True)
-            else:
-                lora.freeze_model(chunk, training=True)
-            done = [n for n, m in chunk.named_modules() if isinstance(m, (AdapterWrapper, LinearAdapter))]
-            if sorted(done) != sorted(meant):
-                raise TargetError(f"chunk {c}: LoRA wrapped {sorted(done)} but the targets select {sorted(meant)}")
+            wrapped.append(_wrap_chunk(lora, c, chunk, names, q_targets, q_exclude, policy))
         if not _on_any_stage([any(wrapped)])[0]:  # a stage may hold none; the model as a whole may not
-            raise TargetError(f"the exclusions {raw_exclude} remove every module selected by the targets {raw_targets}")
+            raise TargetError(
+                f"the exclusions {raw_exclude} (and mtp={policy.name!r}) remove every module selected by the targets "
+                f"{raw_targets}"
+            )
         lora.target_modules = list(q_targets)
         lora.set_params_to_save(chunks)
-        hook.handle = LoraHandle(lora=lora, targets=list(q_targets), exclude=list(q_exclude), wrapped=wrapped)
+        hook.handle = LoraHandle(
+            lora=lora, targets=list(q_targets), exclude=list(q_exclude), wrapped=wrapped, mtp=policy
+        )
         return chunks
 
     hook.handle = None
@@ -392,6 +445,7 @@ def apply_lora(
     lora_A_init_method: str = "xavier",
     lora_B_init_method: str = "zero",
     adapter_names: Sequence[str] | None = None,
+    mtp: str = "exclude",
 ) -> LoraHandle:
     """Apply LoRA to already-built chunks (the pre-wrap hook, run now); only adapter params stay trainable."""
     hook = make_lora_pre_wrap_hook(
@@ -403,6 +457,7 @@ def apply_lora(
         lora_A_init_method=lora_A_init_method,
         lora_B_init_method=lora_B_init_method,
         adapter_names=adapter_names,
+        mtp=mtp,
     )
     hook(model_chunks)
     return hook.handle

@@ -25,6 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from impl.errors import Dsv4Error, GroupedLoRAError, UnsupportedConfigError
+from impl.native.activations import ActivationPlan, recompute
 from impl.native.compressor import Compressor
 from impl.native.config import V4Config
 from impl.native.indexer import INDEXER_RATIO, Indexer
@@ -67,6 +68,27 @@ def grouped_wo_a(module: nn.Module, x_grouped: torch.Tensor, *, groups: int, gro
     return torch.einsum("bsgd,grd->bsgr", x_grouped, weight.view(groups, group_out, in_per_group))
 
 
+def _check_layout(config: V4Config, layer_number: int, ratio: int, tp_size: int) -> None:
+    """Refuse, before any allocation, a layer whose heads, groups or rope cannot be laid out on ``tp_size`` ranks."""
+    if ratio < 0:
+        raise UnsupportedConfigError(f"layer {layer_number}: compress ratio must be >= 0, got {ratio}")
+    heads, groups = config.num_heads, config.o_groups
+    if groups <= 0 or heads % groups:
+        raise UnsupportedConfigError(
+            f"layer {layer_number}: num_heads={heads} is not divisible by o_groups={groups}; "
+            "wo_a groups must be whole head blocks"
+        )
+    if heads % tp_size or groups % tp_size:
+        raise UnsupportedConfigError(
+            f"layer {layer_number}: tensor parallel size {tp_size} must divide num_heads={heads} and "
+            f"o_groups={groups}; pick a TP size that divides both"
+        )
+    if config.rope_head_dim > config.head_dim or config.rope_head_dim % 2:
+        raise UnsupportedConfigError(
+            f"rope_head_dim={config.rope_head_dim} must be even and <= head_dim={config.head_dim}"
+        )
+
+
 class DeepseekV4Attention(MegatronModule):
     """V4 attention for decoder layer ``layer_number`` (0-based). ``compress_ratio`` overrides the config's."""
 
@@ -79,6 +101,7 @@ class DeepseekV4Attention(MegatronModule):
         tp_group: dist.ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
         init_std: float = DEFAULT_INIT_STD,
+        activations: ActivationPlan | None = None,
     ) -> None:
         tp_group, tp_size, tp_rank = resolve_tp_group(tp_group)
         super().__init__(
@@ -87,24 +110,10 @@ class DeepseekV4Attention(MegatronModule):
         self.v4 = config
         self.layer_number = layer_number
         ratio = config.compress_ratios[layer_number] if compress_ratio is None else int(compress_ratio)
-        if ratio < 0:
-            raise UnsupportedConfigError(f"layer {layer_number}: compress ratio must be >= 0, got {ratio}")
+        _check_layout(config, layer_number, ratio, tp_size)
         heads, groups = config.num_heads, config.o_groups
-        if groups <= 0 or heads % groups:
-            raise UnsupportedConfigError(
-                f"layer {layer_number}: num_heads={heads} is not divisible by o_groups={groups}; "
-                "wo_a groups must be whole head blocks"
-            )
-        if heads % tp_size or groups % tp_size:
-            raise UnsupportedConfigError(
-                f"layer {layer_number}: tensor parallel size {tp_size} must divide num_heads={heads} and "
-                f"o_groups={groups}; pick a TP size that divides both"
-            )
-        if config.rope_head_dim > config.head_dim or config.rope_head_dim % 2:
-            raise UnsupportedConfigError(
-                f"rope_head_dim={config.rope_head_dim} must be even and <= head_dim={config.head_dim}"
-            )
         self.compress_ratio = ratio
+        self.activations = activations or ActivationPlan()
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp_size, tp_rank
         self.head_dim = config.head_dim
         self.num_heads_local = heads // tp_size
@@ -150,19 +159,8 @@ class DeepseekV4Attention(MegatronModule):
         )
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads_local, dtype=torch.float32))
         tensor_parallel.set_tensor_model_parallel_attributes(self.attn_sink, is_parallel=True, dim=0, stride=1)
-        self.compressor = (
-            Compressor(
-                d,
-                hd,
-                ratio,
-                overlap=ratio == INDEXER_RATIO,
-                eps=self.eps,
-                params_dtype=params_dtype,
-                init_std=init_std,
-            )
-            if ratio > 0
-            else None
-        )
+        kw = {"eps": self.eps, "params_dtype": params_dtype, "init_std": init_std}
+        self.compressor = Compressor(d, hd, ratio, overlap=ratio == INDEXER_RATIO, **kw) if ratio > 0 else None
         self.indexer = Indexer(config, params_dtype=params_dtype, init_std=init_std) if ratio == INDEXER_RATIO else None
 
     def _positions(self, position_ids: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
@@ -179,6 +177,49 @@ class DeepseekV4Attention(MegatronModule):
                 f"[{seq_len}] or [{batch}, {seq_len}] for hidden_states [B={batch}, S={seq_len}, d]"
             )
         return position_ids
+
+    def _window_hidden(self, q0: int, q1: int, k0: int, device: torch.device) -> torch.Tensor:
+        """``[1, 1, q1-q0, q1-k0]`` (True = hidden): the causal sliding window of queries ``[q0, q1)`` over raw
+        keys ``[k0, q1)``, by sequence index."""
+        i = torch.arange(q0, q1, device=device).view(-1, 1)
+        j = torch.arange(k0, q1, device=device).view(1, -1)
+        return ((j > i) | (j <= i - self.window)).view(1, 1, q1 - q0, q1 - k0)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Softmax attention with the per-head sink in the denominator: ``q [B,H,Sq,D]``, shared ``kv [B,1,Sk,D]``,
+        ``hidden`` broadcastable to ``[B,H,Sq,Sk]`` -> ``[B,H,Sq,D]``."""
+        batch, heads, sq, hd = q.shape
+        keys = kv.expand(batch, heads, kv.shape[2], hd).reshape(batch, heads, kv.shape[2], hd)
+        logits = torch.matmul(q, keys.transpose(2, 3)) * self.scaling
+        logits = logits.masked_fill(hidden, float("-inf"))
+        sinks = self.attn_sink.reshape(1, -1, 1, 1).expand(batch, -1, sq, -1)
+        logits = torch.cat([logits, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)  # sink dropped
+        return torch.matmul(probs, keys)
+
+    def _attend_by_query_blocks(
+        self, q: torch.Tensor, kv: torch.Tensor, entry_hidden: torch.Tensor | None, seq_len: int
+    ) -> torch.Tensor:
+        """:meth:`_attend` per block of queries over its window band of raw keys plus every compressed entry.
+
+        A key outside the band is hidden from every query of the block, and a hidden key adds exactly zero to the
+        softmax, so each row equals the eager one (up to summation order)."""
+        entries = kv[:, :, seq_len:]
+        block = self.activations.attention_query_block
+        checkpointed = self.activations.selective("core_attn")
+        outs = []
+        for q0 in range(0, seq_len, block):
+            q1 = min(seq_len, q0 + block)
+            k0 = max(0, q0 - self.window + 1)
+            hidden = self._window_hidden(q0, q1, k0, q.device)
+            keys = kv[:, :, k0:q1]
+            if entry_hidden is not None:
+                keys = torch.cat([keys, entries], dim=2)
+                band = entry_hidden[:, q0:q1].unsqueeze(1)
+                hidden = torch.cat([hidden.expand(band.shape[0], 1, -1, -1), band], dim=-1)
+            outs.append(recompute(checkpointed, self._attend, q[:, :, q0:q1], keys, hidden))
+        return torch.cat(outs, dim=2)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``hidden_states [B, S, d]``, ``position_ids [S] | [B, S]`` -> ``[B, S, d]`` (all-reduced over TP)."""
@@ -203,10 +244,7 @@ class DeepseekV4Attention(MegatronModule):
         kv = self.kv_norm(self.wkv(x)).view(batch, seq_len, 1, hd).transpose(1, 2)
         kv = apply_interleaved_rope(kv, cos_h, sin_h)  # [B, 1, S, D]
 
-        # Visibility (True = hidden): causal sliding window over raw tokens, by sequence index.
-        idx = torch.arange(seq_len, device=x.device)
-        hidden = (idx.view(1, -1) > idx.view(-1, 1)) | (idx.view(1, -1) <= idx.view(-1, 1) - self.window)
-        hidden = hidden.view(1, 1, seq_len, seq_len)
+        entry_hidden = None  # [B|1, S, W] (True = hidden) over the compressed entries
         if self.compressor is not None:
             entries = self.compressor(x, inv_freq)  # [B, W, D]
             n_entries = entries.shape[1]
@@ -221,18 +259,17 @@ class DeepseekV4Attention(MegatronModule):
                 visible_entries = (positions + 1) // self.compress_ratio  # [B|1, S]
                 entry_hidden = torch.arange(n_entries, device=x.device).view(1, 1, -1) >= visible_entries.unsqueeze(-1)
             kv = torch.cat([kv, entries.unsqueeze(1)], dim=2)
-            hidden = torch.cat([hidden.expand(entry_hidden.shape[0], 1, -1, -1), entry_hidden.unsqueeze(1)], dim=-1)
         if self.tp_size > 1:
             kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv, group=self.tp_group)
 
-        keys = kv.expand(batch, heads, kv.shape[2], hd).reshape(batch, heads, kv.shape[2], hd)
-        logits = torch.matmul(q, keys.transpose(2, 3)) * self.scaling
-        logits = logits.masked_fill(hidden, float("-inf"))
-        sinks = self.attn_sink.reshape(1, -1, 1, 1).expand(batch, -1, seq_len, -1)
-        logits = torch.cat([logits, sinks], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)  # sink dropped
-        out = torch.matmul(probs, keys).transpose(1, 2).contiguous()  # [B, S, H, D]
+        if self.activations.uses_chunked_attention(seq_len):
+            out = self._attend_by_query_blocks(q, kv, entry_hidden, seq_len)
+        else:
+            hidden = self._window_hidden(0, seq_len, 0, x.device)
+            if entry_hidden is not None:
+                hidden = torch.cat([hidden.expand(entry_hidden.shape[0], 1, -1, -1), entry_hidden.unsqueeze(1)], -1)
+            out = recompute(self.activations.selective("core_attn"), self._attend, q, kv, hidden)
+        out = out.transpose(1, 2).contiguous()  # [B, S, H, D]
         out = apply_interleaved_rope(out.transpose(1, 2), cos_h, sin_h, inverse=True).transpose(1, 2)
 
         grouped = out.reshape(batch, seq_len, self.groups_local, -1)

@@ -51,7 +51,16 @@ class Indexer(nn.Module):
     def forward(
         self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     ) -> torch.Tensor:
-        """``x [B,S,d]``, ``qr [B,S,Q]``, ``positions [B|1, S]`` -> top-k entry indices ``[B, S, k]`` (``-1`` = none)."""
+        """``x [B,S,d]``, ``qr [B,S,Q]``, ``positions [B|1, S]`` -> top-k entry indices ``[B, S, k]`` (``-1`` = none).
+
+        The result is integer: no gradient flows back through the indexer (nor does it in transformers), so it runs
+        without autograd and keeps nothing for backward."""
+        with torch.no_grad():
+            return self._picks(x, qr, positions, inv_freq)
+
+    def _picks(
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         keys = self.compressor(x, inv_freq)  # [B, T, ID]
         cos, sin = rope_cos_sin(inv_freq, positions, x.dtype)

@@ -7,10 +7,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from impl.native.activations import ActivationPlan, recompute
 from impl.native.attention import DeepseekV4Attention
 from impl.native.config import V4Config
 from impl.native.hyper import hc_post, hc_pre, register_hc_params
@@ -33,36 +36,48 @@ class DeepseekV4DecoderLayer(nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         ep_group: dist.ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
+        activations: ActivationPlan | None = None,
     ) -> None:
         super().__init__()
+        self.activations = activations or ActivationPlan()
         self.layer_number = layer_number
         self.hc_mult = config.hc_mult
         self.hc_sinkhorn_iters = config.hc_sinkhorn_iters
         self.hc_eps = config.hc_eps
         self.norm_eps = config.rms_norm_eps
         self.hash_layer = config.is_hash_layer(layer_number) if hash_layer is None else bool(hash_layer)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
         self.self_attention = DeepseekV4Attention(
-            config, layer_number, compress_ratio=compress_ratio, tp_group=tp_group, params_dtype=params_dtype
+            config,
+            layer_number,
+            compress_ratio=compress_ratio,
+            tp_group=tp_group,
+            params_dtype=params_dtype,
+            activations=self.activations,
         )
-        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
         self.mlp = V4MoE(
-            config, hash_routed=self.hash_layer, ep_group=ep_group, tp_group=tp_group, params_dtype=params_dtype
+            config,
+            hash_routed=self.hash_layer,
+            ep_group=ep_group,
+            tp_group=tp_group,
+            params_dtype=params_dtype,
+            recompute_activation=self.activations.selective("moe_act"),
         )
         register_hc_params(self, "attn", config)
         register_hc_params(self, "ffn", config)
 
     def _hc_pre(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return hc_pre(
-            x,
-            getattr(self, f"hc_{site}_fn"),
-            getattr(self, f"hc_{site}_base"),
-            getattr(self, f"hc_{site}_scale"),
+        mix = partial(
+            hc_pre,
             hc_mult=self.hc_mult,
             sinkhorn_iters=self.hc_sinkhorn_iters,
             hc_eps=self.hc_eps,
             norm_eps=self.norm_eps,
         )
+        params = (getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"))
+        # selective 'mhc': drop the fp32 copies of the flattened streams, recompute them in backward
+        return recompute(self.activations.selective("mhc"), mix, x, *params)
 
     def forward(
         self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None, position_ids: torch.Tensor

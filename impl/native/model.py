@@ -15,6 +15,7 @@ import impl.compat.active  # noqa: F401  (the CPU compat layer must precede ever
 
 # isort: split
 from collections.abc import Iterator, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from impl.errors import UnsupportedConfigError
+from impl.native.activations import ActivationPlan, recompute
 from impl.native.config import V4Config
 from impl.native.hyper import HyperHead
 from impl.native.layer import DeepseekV4DecoderLayer
@@ -47,6 +49,14 @@ def validate_parallel_layout(config: V4Config, *, tp_size: int, ep_size: int) ->
             f"o_groups={config.o_groups} (attention splits whole heads and output groups); change TP"
         )
     expert_parallel_layout(config, ep_size)
+
+
+def _run_layers(
+    layers: Sequence[nn.Module], input_ids: torch.Tensor, position_ids: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, input_ids, position_ids)
+    return x
 
 
 class GlobalLayerList(nn.ModuleList):
@@ -83,12 +93,14 @@ class _Embedding(nn.Module):
 
 
 class _Decoder(nn.Module):
-    def __init__(self, layers: GlobalLayerList, config: V4Config, post_process: bool) -> None:
+    def __init__(
+        self, layers: GlobalLayerList, config: V4Config, post_process: bool, params_dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.layers = layers
         if post_process:
             self.hc_head_params = HyperHead(config)
-            self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
 
 
 def _ep_size() -> int:
@@ -115,6 +127,7 @@ class DeepseekV4NativeModel(MegatronModule):
         include_mtp: bool | None = None,
         tp_group: dist.ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
+        activations: ActivationPlan | None = None,
     ) -> None:
         tp_group, tp_size, _ = resolve_tp_group(tp_group)
         validate_parallel_layout(config, tp_size=tp_size, ep_size=_ep_size())
@@ -136,17 +149,23 @@ class DeepseekV4NativeModel(MegatronModule):
             raise UnsupportedConfigError("include_mtp=True but the config has num_nextn_predict_layers=0")
         self.tp_group = tp_group
         self.input_tensor: torch.Tensor | None = None
+        self.activations = activations = activations or ActivationPlan()
 
         # MTP needs the embedding on the last stage too (Megatron's shared-embedding arrangement).
         if pre_process or self.include_mtp:
             self.embedding = _Embedding(config, mp_config, tp_group)
         layers = GlobalLayerList(
             [
-                (n, DeepseekV4DecoderLayer(config, n, tp_group=tp_group, params_dtype=params_dtype))
+                (
+                    n,
+                    DeepseekV4DecoderLayer(
+                        config, n, tp_group=tp_group, params_dtype=params_dtype, activations=activations
+                    ),
+                )
                 for n in sorted(numbers)
             ]
         )
-        self.decoder = _Decoder(layers, config, post_process)
+        self.decoder = _Decoder(layers, config, post_process, params_dtype)
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,
@@ -158,7 +177,11 @@ class DeepseekV4NativeModel(MegatronModule):
                 tp_group=tp_group,
             )
         if self.include_mtp:
-            self.mtp = DeepseekV4MTPBlock(config, tp_group=tp_group, params_dtype=params_dtype)
+            self.mtp = DeepseekV4MTPBlock(config, tp_group=tp_group, params_dtype=params_dtype, activations=activations)
+        if not mp_config.use_cpu_initialization:
+            # Megatron's parallel layers were created on the GPU; the replicated blocks follow them now, so a chunk
+            # is never split across devices (get_model's later .cuda() is then a no-op).
+            self.to(torch.cuda.current_device())
 
     # -- pipeline plumbing ---------------------------------------------------------------------------------------
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
@@ -188,8 +211,10 @@ class DeepseekV4NativeModel(MegatronModule):
             if self.input_tensor is None:
                 raise ValueError("this pipeline stage has pre_process=False: call set_input_tensor(streams) first")
             x = self.input_tensor
-        for layer in self.decoder.layers:
-            x = layer(x, input_ids, position_ids)
+        layers = list(self.decoder.layers)
+        for group in self.activations.checkpointed_layers(len(layers)):
+            run = partial(_run_layers, [layers[i] for i in group], input_ids, position_ids)
+            x = recompute(self.activations.layer_is_recomputed(group[0]), run, x)
         return x
 
     def _head(self, y: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:

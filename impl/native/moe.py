@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from impl.errors import UnsupportedConfigError
+from impl.native.activations import recompute
 from impl.native.config import V4Config
 from impl.native.parallel import resolve_tp_group
 
@@ -83,14 +84,26 @@ class _Linear(nn.Module):
 class V4Expert(nn.Module):
     """One clamped-SwiGLU MLP: ``linear_fc1.weight [2I, d] = cat(w1 gate, w3 up)``, ``linear_fc2.weight [d, I]``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, *, params_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        limit: float,
+        *,
+        params_dtype: torch.dtype,
+        recompute_activation: bool = False,
+    ) -> None:
         super().__init__()
         self.limit = limit
+        self.recompute_activation = recompute_activation  # selective 'moe_act'
         self.linear_fc1 = _Linear(hidden_size, 2 * intermediate_size, params_dtype)
         self.linear_fc2 = _Linear(intermediate_size, hidden_size, params_dtype)
 
+    def _activation_and_down(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(clamped_swiglu(h, self.limit))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(clamped_swiglu(self.linear_fc1(x), self.limit))
+        return recompute(self.recompute_activation, self._activation_and_down, self.linear_fc1(x))
 
 
 class V4Router(nn.Module):
@@ -157,13 +170,25 @@ class V4Experts(nn.Module):
     """This rank's ``E / ep`` routed experts as ``local_experts.{e}`` (``e`` local; global id = offset + e)."""
 
     def __init__(
-        self, config: V4Config, *, ep_size: int, ep_rank: int, params_dtype: torch.dtype = torch.float32
+        self,
+        config: V4Config,
+        *,
+        ep_size: int,
+        ep_rank: int,
+        params_dtype: torch.dtype = torch.float32,
+        recompute_activation: bool = False,
     ) -> None:
         super().__init__()
         self.num_local_experts = expert_parallel_layout(config, ep_size)
         self.local_expert_offset = ep_rank * self.num_local_experts
         self.local_experts = nn.ModuleList(
-            V4Expert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit, params_dtype=params_dtype)
+            V4Expert(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.swiglu_limit,
+                params_dtype=params_dtype,
+                recompute_activation=recompute_activation,
+            )
             for _ in range(self.num_local_experts)
         )
         for p in self.parameters():
@@ -193,6 +218,7 @@ class V4MoE(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
+        recompute_activation: bool = False,
     ) -> None:
         super().__init__()
         tp_group, tp_size, tp_rank = resolve_tp_group(tp_group)
@@ -206,13 +232,20 @@ class V4MoE(nn.Module):
         self.ep_size = ep_size
         self.hidden_size = config.hidden_size
         self.router = V4Router(config, hash_routed=hash_routed, params_dtype=params_dtype)
-        self.experts = V4Experts(config, ep_size=ep_size, ep_rank=ep_rank, params_dtype=params_dtype)
+        self.experts = V4Experts(
+            config,
+            ep_size=ep_size,
+            ep_rank=ep_rank,
+            params_dtype=params_dtype,
+            recompute_activation=recompute_activation,
+        )
         self.shared_experts = (
             V4Expert(
                 config.hidden_size,
                 config.moe_intermediate_size * config.n_shared_experts,
                 config.swiglu_limit,
                 params_dtype=params_dtype,
+                recompute_activation=recompute_activation,
             )
             if config.n_shared_experts > 0
             else None

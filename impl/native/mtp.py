@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from impl.native.activations import ActivationPlan
 from impl.native.config import V4Config
 from impl.native.hyper import HyperHead
 from impl.native.layer import DeepseekV4DecoderLayer
@@ -33,11 +34,12 @@ class DeepseekV4MTPLayer(nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         ep_group: dist.ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
+        activations: ActivationPlan | None = None,
     ) -> None:
         super().__init__()
         d = config.hidden_size
-        self.enorm = RMSNorm(d, config.rms_norm_eps)
-        self.hnorm = RMSNorm(d, config.rms_norm_eps)
+        self.enorm = RMSNorm(d, config.rms_norm_eps, params_dtype=params_dtype)
+        self.hnorm = RMSNorm(d, config.rms_norm_eps, params_dtype=params_dtype)
         self.e_proj = ReplicatedLinear(d, d, params_dtype=params_dtype, init_std=0.02)
         self.h_proj = ReplicatedLinear(d, d, params_dtype=params_dtype, init_std=0.02)
         # The MTP block is "layer num_layers + index": window-only attention (ratio 0), score routing.
@@ -49,9 +51,10 @@ class DeepseekV4MTPLayer(nn.Module):
             tp_group=tp_group,
             ep_group=ep_group,
             params_dtype=params_dtype,
+            activations=activations,
         )
         self.hc_head_params = HyperHead(config)
-        self.final_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.final_layernorm = RMSNorm(d, config.rms_norm_eps, params_dtype=params_dtype)
 
     def forward(
         self,

@@ -1,8 +1,14 @@
 """Megatron-Core parallel-layer plumbing shared by the native V4 modules.
 
 Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` read a ``ModelParallelConfig``; the native
-modules read :class:`~impl.native.config.V4Config`. :func:`megatron_parallel_config` bridges the two with
-CPU-safe settings (CPU initialization, no fused kernels, no sequence parallelism).
+modules read :class:`~impl.native.config.V4Config`. :func:`megatron_parallel_config` bridges the two (no fused
+kernels, no sequence parallelism).
+
+Placement is decided once, by :func:`cpu_initialization`: on a CUDA host the config asks for GPU initialization,
+so Megatron's parallel layers allocate on ``torch.cuda.current_device()`` and Megatron-Bridge's ``get_model`` moves
+the rest of each chunk there (it reads ``use_cpu_initialization`` from the *model's* config, never the provider's).
+Without CUDA, or while building under ``torch.device("meta")`` (the memory model), the CPU-initialization path is
+used: it is the one that honours the ambient default device.
 """
 
 from __future__ import annotations
@@ -20,7 +26,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from impl.native.config import V4Config
 
-__all__ = ["DEFAULT_INIT_STD", "megatron_parallel_config", "normal_init", "resolve_tp_group"]
+__all__ = [
+    "DEFAULT_INIT_STD",
+    "cpu_initialization",
+    "megatron_parallel_config",
+    "normal_init",
+    "resolve_tp_group",
+]
 
 DEFAULT_INIT_STD = 0.02
 
@@ -43,6 +55,11 @@ def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGr
     return tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
+def cpu_initialization() -> bool:
+    """True when parameters are to be created on the CPU: no CUDA, or an ambient ``torch.device("meta")``."""
+    return not torch.cuda.is_available() or torch.empty(0).device.type == "meta"
+
+
 def megatron_parallel_config(
     cfg: V4Config,
     *,
@@ -50,12 +67,16 @@ def megatron_parallel_config(
     tensor_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     perform_initialization: bool = True,
+    use_cpu_initialization: bool | None = None,
 ) -> ModelParallelConfig:
-    """A Megatron config for the parallel linears inside the native V4 graph (CPU-safe).
+    """A Megatron config for the parallel linears inside the native V4 graph.
 
     It is a ``TransformerConfig`` (a ``ModelParallelConfig`` subclass) because Megatron's DDP and
     Megatron-Bridge's ``get_model`` read transformer-level fields from ``model.config``.
+    ``use_cpu_initialization`` defaults to :func:`cpu_initialization` (False on a CUDA host).
     """
+    if use_cpu_initialization is None:
+        use_cpu_initialization = cpu_initialization()
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -68,7 +89,7 @@ def megatron_parallel_config(
         tensor_model_parallel_size=tensor_model_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
         sequence_parallel=False,
-        use_cpu_initialization=True,
+        use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         params_dtype=params_dtype,
         gradient_accumulation_fusion=False,

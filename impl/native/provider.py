@@ -26,8 +26,16 @@ from megatron.core.transformer.module import MegatronModule
 from impl.conversion.detect import require_deepseek_v4_config
 from impl.conversion.pipeline import Layout, resolve_pipeline_layout, stage_layer_numbers
 from impl.errors import MultiLoRAUnsupportedError, UnsupportedConfigError
+from impl.native.activations import ActivationPlan
 from impl.native.config import V4Config
 from impl.native.model import DeepseekV4NativeModel, validate_parallel_layout
+from impl.native.parallel import cpu_initialization
+
+#: Megatron's default ``--seed``; used only when a GPU build finds the model-parallel RNG unseeded.
+DEFAULT_SEED = 1234
+
+#: parameter dtypes the native graph is built in
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 PreWrapHook = Callable[[list[MegatronModule]], list[MegatronModule] | None]
 
@@ -54,6 +62,7 @@ class DeepseekV4NativeProvider(ModelProviderMixin[DeepseekV4NativeModel]):
     pipeline_layout: Any = None
     include_mtp: bool = False
     params_dtype: torch.dtype = torch.float32
+    activations: ActivationPlan = field(default_factory=ActivationPlan)
     fp16: bool = False
     bf16: bool = False
     v4_config: V4Config | None = field(default=None, init=False)
@@ -96,6 +105,7 @@ class DeepseekV4NativeProvider(ModelProviderMixin[DeepseekV4NativeModel]):
             layer_numbers=list(stage_layer_numbers(self.resolved_layout, stage)),
             include_mtp="mtp" in tokens,
             params_dtype=self.params_dtype,
+            activations=self.activations,
         )
 
 
@@ -117,6 +127,14 @@ def _check_parallel_state(tp: int, ep: int, pp: int) -> None:
         )
 
 
+def _ensure_model_parallel_rng() -> None:
+    """GPU initialization draws from Megatron's model-parallel RNG tracker; seed it if the caller has not."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    if "model-parallel-rng" not in get_cuda_rng_tracker().get_states():
+        model_parallel_cuda_manual_seed(DEFAULT_SEED)
+
+
 def build_native_model(
     hf_config: Any,
     *,
@@ -130,13 +148,25 @@ def build_native_model(
     wrap_with_ddp: bool = False,
     ddp_config: DistributedDataParallelConfig | None = None,
     multi_lora: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    activations: ActivationPlan | None = None,
 ) -> list[MegatronModule]:
     """Build this rank's V4 model chunks; run ``pre_wrap_hooks`` (e.g. LoRA) before any DDP wrapping.
 
-    Everything that can be rejected (non-V4 config, Multi-LoRA, unsupported layout) is rejected
+    ``activations`` (:class:`impl.native.activations.ActivationPlan`) sets recompute and the attention's
+    query-block path. ``params_dtype`` is float32 or bfloat16 (the recipe's). In bf16 the weights (and LoRA adapters) are bf16 while
+    the tensors the checkpoint keeps in fp32 stay fp32 (``attn_sink``, ``ape``, ``hc_*``, the expert bias); the
+    default DDP config then reduces gradients into fp32 ``main_grad`` buffers (``grad_reduce_in_fp32``), and
+    Megatron's optimizer keeps fp32 master weights (:func:`impl.adapter_optimizer`), as Megatron does for bf16.
+    Everything that can be rejected (non-V4 config, Multi-LoRA, unsupported layout or dtype) is rejected
     before a single parameter is allocated.
     """
     reject_multi_lora(multi_lora)
+    if params_dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedConfigError(
+            f"params_dtype={params_dtype} is not supported; use one of {list(SUPPORTED_DTYPES)} (the published "
+            "recipes train in bf16; fp16 would need loss scaling, which the native graph does not carry)"
+        )
     require_deepseek_v4_config(hf_config)
     provider = DeepseekV4NativeProvider(
         hf_config=hf_config,
@@ -146,17 +176,27 @@ def build_native_model(
         virtual_pipeline_model_parallel_size=vpp,
         pipeline_layout=pipeline_layout,
         include_mtp=include_mtp,
+        activations=activations or ActivationPlan(),
     )
     provider.finalize()
     _check_parallel_state(tp, ep, pp)
+    on_cpu = cpu_initialization()
+    if not on_cpu:
+        _ensure_model_parallel_rng()
     if wrap_with_ddp and ddp_config is None:
-        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+        ddp_config = DistributedDataParallelConfig(
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=False,
+            grad_reduce_in_fp32=params_dtype != torch.float32,
+        )
+    # get_model sets the provider's params_dtype from these flags; the model is built in that dtype directly
+    # (no Float16Module: it would also cast the fp32 hc / sink / ape tensors).
     return provider.provide_distributed_model(
         ddp_config=ddp_config,
         wrap_with_ddp=wrap_with_ddp,
         fp16=False,
-        bf16=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=on_cpu,
         pre_wrap_hook=list(pre_wrap_hooks) or None,
         mixed_precision_wrapper=None,
     )

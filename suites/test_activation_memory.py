@@ -1,0 +1,185 @@
+"""Activation memory of the native graph: the query-block attention path and recompute change memory, not math.
+
+* Above its length threshold the attention runs over query blocks (each sees its sliding-window band plus the
+  compressed entries); in fp32 its output and gradients equal the eager path's within 1e-5 on sliding, CSA (with
+  the indexer choosing) and HCA layers, for blocks that do not divide the sequence and windows wider than a block.
+* Recompute (Megatron's ``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers`` /
+  ``recompute_modules``) leaves the loss and every gradient unchanged and keeps strictly fewer bytes for backward
+  (measured with autograd's saved-tensor hooks; parameters are not counted).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from fixtures.native_weights import ensure_single_rank_megatron
+from tiny_models.presets import get_preset, min_seq_len
+
+pytestmark = pytest.mark.cpu
+
+ATOL = 1e-5  # fp32: the block path only drops exact zeros from each softmax row (summation order may differ)
+PRESET = "tiny-mixed"  # sliding/hash, CSA(4), HCA(16), CSA; window 8
+RECOMPUTE_PLANS = {
+    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective-all": dict(recompute_granularity="selective", recompute_modules=("core_attn", "mhc", "moe_act")),
+    "selective-core-attn": dict(recompute_granularity="selective", recompute_modules=("core_attn",)),
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_world() -> None:
+    ensure_single_rank_megatron()
+
+
+def saved_bytes(fn, exclude: set[int]) -> tuple[torch.Tensor, int]:
+    """``fn()`` and the bytes of the distinct storages autograd still keeps for backward once ``fn`` returned.
+
+    A tensor saved by a branch that does not reach the output (the indexer's scores feed an integer top-k) is
+    freed with that branch during the forward; only tensors still alive afterwards count. ``exclude``: storage
+    pointers of parameters and buffers."""
+    saved: list[weakref.ref] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    gc.collect()
+    storages: dict[int, int] = {}
+    for ref in saved:
+        t = ref()
+        if t is not None and t.untyped_storage().data_ptr() not in exclude:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+    return out, sum(storages.values())
+
+
+def _param_storages(module: torch.nn.Module) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in module.parameters()} | {
+        b.untyped_storage().data_ptr() for b in module.buffers()
+    }
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that attention is peaked (the default 0.02 init gives near-uniform softmax rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 2 and "hc_" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            elif p.dim() == 1 and not name.endswith("weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+
+
+def _attention_pair(impl, layer: int, **plan):
+    cfg = impl.V4Config.from_hf(get_preset(PRESET))
+    eager = impl.DeepseekV4Attention(cfg, layer, activations=impl.ActivationPlan(attention_chunk_threshold=10**9))
+    _randomize(eager, seed=layer)
+    blocked = impl.DeepseekV4Attention(cfg, layer, activations=impl.ActivationPlan(**plan))
+    blocked.load_state_dict(eager.state_dict())
+    return cfg, eager, blocked
+
+
+def _run_attention(module, x, positions):
+    x = x.clone().requires_grad_(True)
+    out = module(x, positions)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("block", [5, 7, 64], ids=["block5-narrower-than-window", "block7-uneven", "block64-one"])
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
+def test_query_block_attention_equals_eager_attention_in_fp32(impl, megatron_world, layer, block):
+    _, eager, blocked = _attention_pair(impl, layer, attention_chunk_threshold=0, attention_query_block=block)
+    seq = 48
+    gen = torch.Generator().manual_seed(100 + layer)
+    x = torch.randn(2, seq, eager.v4.hidden_size, generator=gen)
+    positions = torch.arange(seq).unsqueeze(0).expand(2, -1)
+    want_out, want_dx, want_grads = _run_attention(eager, x, positions)
+    got_out, got_dx, got_grads = _run_attention(blocked, x, positions)
+    diff = (got_out - want_out).abs().max().item()
+    assert diff <= ATOL, f"layer {layer} block {block}: output max|Δ| {diff:.2e} > {ATOL}"
+    diff = (got_dx - want_dx).abs().max().item()
+    assert diff <= ATOL, f"layer {layer} block {block}: input gradient max|Δ| {diff:.2e} > {ATOL}"
+    assert set(got_grads) == set(want_grads), f"gradients for {sorted(set(got_grads) ^ set(want_grads))} differ"
+    for name, want in want_grads.items():
+        diff = (got_grads[name] - want).abs().max().item()
+        assert diff <= ATOL * max(1.0, want.abs().max().item()), f"layer {layer}: grad of {name} max|Δ| {diff:.2e}"
+
+
+def test_query_block_attention_keeps_far_fewer_bytes_than_eager_scores(impl, megatron_world):
+    """At 256 tokens the eager CSA layer keeps [B,H,S,S+W] scores; the block path with core_attn recompute does not."""
+    _, eager, blocked = _attention_pair(
+        impl,
+        1,
+        attention_chunk_threshold=0,
+        attention_query_block=32,
+        recompute_granularity="selective",
+        recompute_modules=("core_attn",),
+    )
+    seq = 256
+    x = torch.randn(1, seq, eager.v4.hidden_size).requires_grad_(True)
+    positions = torch.arange(seq).unsqueeze(0)
+    _, eager_bytes = saved_bytes(lambda: eager(x, positions), _param_storages(eager))
+    _, blocked_bytes = saved_bytes(lambda: blocked(x, positions), _param_storages(blocked))
+    heads = eager.num_heads_local
+    scores = heads * seq * seq * 4  # one fp32 [H, S, S] score tensor, without the entries
+    assert eager_bytes > scores, f"eager attention kept only {eager_bytes} bytes; the eager path was not taken"
+    assert eager_bytes - blocked_bytes >= scores, (
+        f"block path kept {blocked_bytes} bytes vs eager {eager_bytes}: it saves less than one [H,S,S] score tensor"
+    )
+
+
+def _model(impl, plan: dict):
+    cfg = get_preset(PRESET)
+    torch.manual_seed(0)
+    model = impl.DeepseekV4NativeModel(impl.V4Config.from_hf(cfg), activations=impl.ActivationPlan(**plan))
+    _randomize(model, seed=7)
+    return cfg, model
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    params = _param_storages(model)
+    loss, kept = saved_bytes(lambda: model(ids, labels=torch.roll(ids, -1, dims=1)).mean(), params)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, kept
+
+
+@pytest.mark.parametrize("plan", sorted(RECOMPUTE_PLANS))
+def test_recompute_changes_memory_not_the_loss_or_any_gradient(impl, megatron_world, plan):
+    cfg, base = _model(impl, {})
+    _, recomputed = _model(impl, RECOMPUTE_PLANS[plan])
+    recomputed.load_state_dict(base.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, min_seq_len(cfg)), generator=torch.Generator().manual_seed(1))
+    want_loss, want_grads, want_kept = _loss_and_grads(base, ids)
+    got_loss, got_grads, got_kept = _loss_and_grads(recomputed, ids)
+    assert torch.equal(got_loss, want_loss), f"{plan}: loss {got_loss.item()} != {want_loss.item()}"
+    assert set(got_grads) == set(want_grads), f"{plan}: gradients differ in {sorted(set(got_grads) ^ set(want_grads))}"
+    worst = max(((got_grads[n] - g).abs().max().item(), n) for n, g in want_grads.items())
+    assert worst[0] <= 1e-6, f"{plan}: gradient of {worst[1]} differs by {worst[0]:.2e}"
+    assert got_kept < want_kept, f"{plan}: kept {got_kept} bytes for backward, no recompute keeps {want_kept}"
+
+
+@pytest.mark.parametrize(
+    ("plan", "match"),
+    [
+        (dict(recompute_granularity="partial"), "recompute_granularity"),
+        (dict(recompute_granularity="full", recompute_method="interleaved"), "recompute_method"),
+        (dict(recompute_granularity="selective", recompute_modules=("mlp",)), "recompute_modules"),
+        (dict(recompute_granularity="selective"), "needs recompute_modules"),
+        (dict(attention_query_block=0), "attention_query_block"),
+    ],
+    ids=["granularity", "method", "module", "selective-without-modules", "block"],
+)
+def test_unsupported_activation_plans_are_rejected_by_name(impl, plan, match):
+    with pytest.raises(impl.UnsupportedConfigError, match=match):
+        impl.ActivationPlan(**plan)

@@ -1,0 +1,119 @@
+"""Benchmark: loading one EP rank's share of one DeepSeek-V4-Flash layer through the bridge vs a raw safetensors read.
+
+The share: one CSA layer (compressor + indexer) at Flash width with 32 routed experts (256 / EP=8), real tensor
+shapes from the Flash manifest, quantized as the instruct checkpoint stores them: FP8 E4M3 attention and shared
+expert weights with 128x128 UE8M0 scales, MXFP4 routed experts (int8-packed e2m1 + UE8M0 per 32 inputs). Random
+bytes (valid codes, no NaN patterns), ~0.6 GB on disk, written once.
+
+Both paths read the same file in the same run, from the page cache (a warm-up read first): ``raw`` is
+``safetensors.torch.load_file`` with every tensor materialized (cloned out of the mapping); ``bridge`` is ``impl.load_official_checkpoint`` into the native chunk built in
+bf16 (header validation, dequantization, mapping, copy into the parameters). GB/s counts file bytes. Goal: bridge
+>= 0.5x the raw read's throughput. Run explicitly::
+
+    .venv/bin/python -m pytest -q -s -m bench suites/test_bench_load.py
+
+Prints figures; never asserts on time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fixtures.native_weights import ensure_single_rank_megatron
+from tiny_models.manifest import manifest
+from tiny_models.presets import CSA, flash_config
+
+pytestmark = pytest.mark.bench
+
+EP = 8
+REPEATS = 2
+GOAL = 0.5
+_TORCH = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I8": torch.int8,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "I64": torch.int64,
+}
+
+
+def _one_rank_layer_config():
+    cfg = flash_config()
+    cfg.num_hidden_layers = 1
+    cfg.layer_types = [CSA]
+    cfg.mlp_layer_types = ["moe"]
+    cfg.n_routed_experts = cfg.n_routed_experts // EP
+    cfg.num_nextn_predict_layers = 0
+    return cfg
+
+
+def _random(shape: tuple[int, ...], dtype: str, gen: torch.Generator) -> torch.Tensor:
+    if dtype == "F8_E4M3":  # magnitudes 0..126 (0x7f / 0xff are NaN) with a random sign
+        codes = torch.randint(0, 127, shape, generator=gen, dtype=torch.int16)
+        codes |= torch.randint(0, 2, shape, generator=gen, dtype=torch.int16) << 7
+        return codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    if dtype == "F8_E8M0":  # powers of two around 2**-8 .. 2**2
+        return torch.randint(119, 130, shape, generator=gen, dtype=torch.int16).to(torch.uint8).view(_TORCH[dtype])
+    if dtype == "I8":  # any byte is two valid e2m1 codes
+        return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int16).to(torch.int8)
+    if dtype == "I64":
+        return torch.zeros(shape, dtype=torch.int64)
+    return (0.02 * torch.randn(shape, generator=gen)).to(_TORCH[dtype])
+
+
+@pytest.fixture(scope="module")
+def layer_share(tmp_path_factory):
+    cfg = _one_rank_layer_config()
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        s.name: _random(s.shape, s.dtype, gen) for s in manifest(cfg, with_scales=True) if s.name.startswith("layers.")
+    }
+    out = tmp_path_factory.mktemp("flash-layer-share")
+    save_file(tensors, str(out / "model-00001-of-00001.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(out)
+    return cfg, out, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _raw_read(files) -> list[dict[str, torch.Tensor]]:
+    """Every tensor of ``files`` materialized in memory (``load_file`` alone only maps the file)."""
+    return [{name: t.clone() for name, t in load_file(str(f)).items()} for f in files]
+
+
+def _best(fn, repeats: int = REPEATS) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def test_bridge_load_of_one_flash_layer_share_vs_raw_safetensors_read(impl, layer_share):
+    ensure_single_rank_megatron()
+    cfg, ckpt, nbytes = layer_share
+    files = sorted(ckpt.glob("*.safetensors"))
+    chunk = impl.DeepseekV4NativeModel(
+        impl.V4Config.from_hf(cfg), pre_process=False, post_process=False, layer_numbers=[0],
+        params_dtype=torch.bfloat16,
+    )  # fmt: skip
+    _raw_read(files)  # warm the page cache for both paths
+    raw = _best(lambda: _raw_read(files))
+    report = impl.load_official_checkpoint([chunk], ckpt)
+    bridge = _best(lambda: impl.load_official_checkpoint([chunk], ckpt))
+    totals = report.totals
+    assert totals["unmapped"] == 0 and totals["missing"] == 0, totals
+    gb = nbytes / 1e9
+    ratio = raw / bridge
+    experts = sum(p.numel() for n, p in chunk.named_parameters() if "local_experts" in n)
+    print(
+        f"\nFlash layer share (CSA, {cfg.n_routed_experts} experts = 1/{EP}): {gb:.3f} GB in {len(files)} file, "
+        f"{totals['loaded']} tensors loaded ({experts / 1e6:.0f} M expert parameters)\n"
+        f"  raw safetensors read : {raw:7.3f} s  {gb / raw:6.2f} GB/s\n"
+        f"  bridge load (bf16)   : {bridge:7.3f} s  {gb / bridge:6.2f} GB/s\n"
+        f"  ratio bridge/raw     : {ratio:.2f}x  (goal >= {GOAL}x){'' if ratio >= GOAL else '  BELOW GOAL'}"
+    )

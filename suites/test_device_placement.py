@@ -1,0 +1,189 @@
+"""Device placement: a rank's model, DDP buffers, optimizer state and inputs live on the rank's device.
+
+On this CPU host everything must be on the CPU, and the audit must name anything that is not. What a CUDA host
+would get is shown by patching ``torch.cuda.is_available``: the model's Megatron config must ask for GPU
+initialization and Megatron-Bridge's ``get_model`` must move every chunk to the current device (``Module.cuda`` is
+recorded, nothing is allocated on a GPU). Cross-stage control messages must not be CPU tensors handed to tensor
+collectives (NCCL refuses them): the LoRA target check over a pipeline is run on 2 ranks with tensor collectives
+recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from fixtures.multirank import IMPL_PRELOAD, run_ranks
+
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
+
+PRESET = "tiny-tp"
+TARGETS = ["wq_a", "wq_b", "wkv", "wo_a", "wo_b"]
+TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class PlacementCase:
+    impl_name: str
+    preset: str = PRESET
+    pp: int = 1
+
+
+def rank_cpu_build_audit(rank: int, world_size: int, case: PlacementCase) -> dict:
+    """Provider build with LoRA before DDP, one Adam step, then the audit against the CPU and against 'meta'."""
+    import torch
+
+    from fixtures.impl_loader import load_impl
+    from fixtures.multirank import init_megatron_parallel
+    from tiny_models.presets import get_preset, min_seq_len
+
+    api = load_impl(case.impl_name)
+    init_megatron_parallel()
+    cfg = get_preset(case.preset)
+    hook = api.make_lora_pre_wrap_hook(targets=TARGETS, rank=4, alpha=8.0)
+    chunks = api.build_native_model(cfg, pre_wrap_hooks=[hook], wrap_with_ddp=True)
+    (chunk,) = chunks
+    adapters = [p for p in chunk.module.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(adapters, lr=1e-3)
+    device = api.rank_device()
+    ids = torch.randint(0, cfg.vocab_size, (1, min_seq_len(cfg)), device=device)
+    chunk.zero_grad_buffer()
+    chunk(ids, labels=torch.roll(ids, -1, dims=1)).mean().backward()
+    chunk.finish_grad_sync()
+    for p in adapters:
+        p.grad = p.main_grad.to(p.dtype)
+    opt.step()
+    on_cpu = [str(m) for m in api.audit_devices(chunks, opt, expected="cpu", inputs={"input_ids": ids})]
+    elsewhere = api.audit_devices(chunks, opt, expected="meta", inputs={"input_ids": ids})
+    # one tensor moved off the CPU must be named by the audit and by the raising form
+    buffer_name, buffer = next(iter(chunk.module.named_buffers()))
+    stray = torch.empty_like(buffer, device="meta")
+    chunk.module.get_submodule(buffer_name.rpartition(".")[0])._buffers[buffer_name.rpartition(".")[2]] = stray
+    after_move = [str(m) for m in api.audit_devices(chunks, opt, expected="cpu")]
+    try:
+        api.require_devices(chunks, opt, expected="cpu")
+        raised = ""
+    except api.DevicePlacementError as exc:
+        raised = str(exc)
+    return {
+        "device": str(device),
+        "on_cpu": on_cpu,
+        "kinds_elsewhere": sorted({m.kind for m in elsewhere}),
+        "count_elsewhere": len(elsewhere),
+        "n_params": sum(1 for _ in chunk.module.parameters()),
+        "moved": buffer_name,
+        "after_move": after_move,
+        "raised": raised,
+    }
+
+
+def rank_cuda_host_build(rank: int, world_size: int, case: PlacementCase) -> dict:
+    """Build through the provider with ``torch.cuda.is_available`` patched True and ``Module.cuda`` recorded."""
+    import torch
+
+    from fixtures.impl_loader import load_impl
+    from fixtures.multirank import init_megatron_parallel
+    from tiny_models.presets import get_preset
+
+    api = load_impl(case.impl_name)
+    init_megatron_parallel()
+    moved: list[str] = []
+
+    def record_cuda(self, device=None):
+        moved.append(type(self).__name__)
+        return self
+
+    real_available, real_cuda = torch.cuda.is_available, torch.nn.Module.cuda
+    torch.cuda.is_available, torch.nn.Module.cuda = (lambda: True), record_cuda
+    try:
+        chunks = api.build_native_model(get_preset(case.preset))
+    finally:
+        torch.cuda.is_available, torch.nn.Module.cuda = real_available, real_cuda
+    return {
+        "chunk_types": [type(c).__name__ for c in chunks],
+        "use_cpu_initialization": [c.config.use_cpu_initialization for c in chunks],
+        "moved_by_get_model": moved,
+    }
+
+
+def rank_pipeline_lora_collectives(rank: int, world_size: int, case: PlacementCase) -> dict:
+    """LoRA on a PP=2 model with ``torch.distributed``'s tensor collectives recorded (object collectives pass)."""
+    import torch.distributed as dist
+
+    from fixtures.impl_loader import load_impl
+    from fixtures.multirank import init_megatron_parallel
+    from tiny_models.presets import get_preset
+
+    api = load_impl(case.impl_name)
+    init_megatron_parallel(pp=case.pp)
+    chunks = api.build_native_model(get_preset(case.preset), pp=case.pp)
+    calls: list[str] = []
+    names = ("all_reduce", "all_gather", "broadcast", "send", "recv", "reduce_scatter", "all_to_all")
+    real = {n: getattr(dist, n) for n in names}
+
+    def recorder(name):
+        def call(tensor_or_list, *args, **kwargs):
+            tensors = tensor_or_list if isinstance(tensor_or_list, list) else [tensor_or_list]
+            calls.append(f"{name}({', '.join(f'{t.dtype} on {t.device}' for t in tensors)})")
+            return real[name](tensor_or_list, *args, **kwargs)
+
+        return call
+
+    for n in names:
+        setattr(dist, n, recorder(n))
+    try:
+        handle = api.apply_lora(chunks, targets=TARGETS, rank=4, alpha=8.0)
+    finally:
+        for n, fn in real.items():
+            setattr(dist, n, fn)
+    return {"tensor_collectives": calls, "wrapped": sum(len(w) for w in handle.wrapped)}
+
+
+def test_provider_build_on_cpu_keeps_every_tensor_on_the_cpu_and_the_audit_names_strays(impl):
+    (result,) = [
+        r.payload
+        for r in run_ranks(
+            rank_cpu_build_audit, PlacementCase(impl.name), nproc=1, timeout_s=TIMEOUT_S, preload=IMPL_PRELOAD
+        )
+    ]
+    assert result["device"] == "cpu", f"impl.rank_device() on a CPU host is {result['device']}"
+    assert result["on_cpu"] == [], "tensors off the CPU after a CPU build:\n  " + "\n  ".join(result["on_cpu"][:40])
+    # against another device the audit must see every kind of tensor it promises to walk
+    want_kinds = ["buffer", "ddp grad_data", "input", "main_grad", "optimizer state", "parameter"]
+    missing = [k for k in want_kinds if k not in result["kinds_elsewhere"]]
+    assert not missing, f"the audit never looked at {missing} (saw {result['kinds_elsewhere']})"
+    assert result["count_elsewhere"] >= result["n_params"], result
+    assert len(result["after_move"]) == 1 and result["moved"] in result["after_move"][0], (
+        f"moved buffer {result['moved']} to 'meta'; the audit reported {result['after_move']}"
+    )
+    assert result["moved"] in result["raised"], f"require_devices did not name {result['moved']}: {result['raised']!r}"
+
+
+def test_a_cuda_host_gets_a_gpu_placed_model_from_the_provider(impl):
+    (result,) = [
+        r.payload
+        for r in run_ranks(
+            rank_cuda_host_build, PlacementCase(impl.name), nproc=1, timeout_s=TIMEOUT_S, preload=IMPL_PRELOAD
+        )
+    ]
+    assert result["use_cpu_initialization"] == [False] * len(result["chunk_types"]), (
+        f"with CUDA available the model config still asks for CPU initialization: {result}; Megatron-Bridge's "
+        "get_model then never moves the model to the GPU"
+    )
+    assert result["chunk_types"] and all(t in result["moved_by_get_model"] for t in result["chunk_types"]), (
+        f"get_model did not call .cuda() on the chunks {result['chunk_types']} (recorded {result['moved_by_get_model']})"
+    )
+
+
+def test_lora_target_check_across_pipeline_stages_sends_no_cpu_tensor_to_a_tensor_collective(impl):
+    """Under NCCL a CPU tensor in all_reduce fails: the check's flags must travel as objects (backend's device)."""
+    results = run_ranks(
+        rank_pipeline_lora_collectives, PlacementCase(impl.name, pp=2), nproc=2, timeout_s=TIMEOUT_S,
+        preload=IMPL_PRELOAD,
+    )  # fmt: skip
+    for r in results:
+        assert r.payload["wrapped"] > 0, f"rank {r.rank}: LoRA wrapped nothing"
+        assert r.payload["tensor_collectives"] == [], (
+            f"rank {r.rank}: LoRA application handed tensors to tensor collectives {r.payload['tensor_collectives']}"
+        )

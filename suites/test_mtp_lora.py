@@ -1,0 +1,147 @@
+"""LoRA on a model built with its MTP layer (``include_mtp=True``, as the Flash recipe builds it).
+
+Decided behaviour (``impl.MTP_POLICIES``): by default (``mtp='exclude'``) the LoRA targets never reach the MTP layer,
+so training through the main loss updates every adapter and every dialect exports the adapter. With
+``mtp='include'`` the MTP attention is wrapped; the main loss never reaches it (its adapters do not move), the
+official dialect carries it as ``mtp.0.attn.*``, transformers and SGLang refuse it unless the export drops it
+(``export_adapter(mtp='exclude')``, recorded in the adapter metadata).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from fixtures.multirank import IMPL_PRELOAD, run_ranks
+
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
+
+PRESET = "tiny-mixed"
+TARGETS = ["wq_a", "wq_b", "wkv", "wo_a", "wo_b"]
+DIALECTS = ("transformers", "official", "sglang")
+TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class MtpCase:
+    impl_name: str
+    out: str
+    mtp: str  # the LoRA policy under test
+    steps: int = 2
+
+
+def rank_mtp_lora_train_export(rank: int, world_size: int, case: MtpCase) -> dict:
+    """Build with MTP, LoRA (policy ``case.mtp``) before DDP, train, gather, export in every dialect."""
+    import torch
+
+    from fixtures.impl_loader import load_impl
+    from fixtures.multirank import init_megatron_parallel
+    from tiny_models.presets import get_preset, min_seq_len
+
+    api = load_impl(case.impl_name)
+    init_megatron_parallel()
+    cfg = get_preset(PRESET)
+    hook = api.make_lora_pre_wrap_hook(targets=TARGETS, rank=4, alpha=8.0, mtp=case.mtp)
+    (chunk,) = api.build_native_model(cfg, include_mtp=True, pre_wrap_hooks=[hook], wrap_with_ddp=True)
+    model = chunk.module
+    mtp_modules = [n for n, _ in model.named_modules() if n.startswith("mtp.")]
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    # lora_B starts at zero, so lora_A only moves from the second step on: compare after all steps
+    before = {n: p.detach().clone() for n, p in adapters.items()}
+    opt = torch.optim.Adam(adapters.values(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(case.steps):
+        ids = torch.randint(0, cfg.vocab_size, (2, min_seq_len(cfg)), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        chunk.zero_grad_buffer()
+        api.ManualPipeline(chunk).run(ids, labels=torch.roll(ids, -1, dims=1), backward=True)
+        chunk.finish_grad_sync()
+        for p in adapters.values():
+            p.grad = p.main_grad.to(p.dtype)
+        opt.step()
+    unchanged = sorted(n for n, p in adapters.items() if torch.equal(p.detach(), before[n]))
+    state = api.gather_adapter_state([chunk], hook.handle)
+    exports: dict[str, str] = {}
+    for dialect in DIALECTS:
+        for export_mtp in ("reject", "exclude"):
+            out = Path(case.out) / f"{dialect}-{export_mtp}"
+            try:
+                api.export_adapter(state, out, dialect=dialect, mtp=export_mtp, timeout_s=60)
+                exports[f"{dialect}/{export_mtp}"] = "ok"
+            except api.ExportError as exc:
+                exports[f"{dialect}/{export_mtp}"] = f"{type(exc).__name__}: {str(exc)[:1000]}"
+    return {
+        "has_mtp": bool(mtp_modules),
+        "wrapped": [n for names in hook.handle.wrapped for n in names],
+        "trainable": sorted(adapters),
+        "unchanged": unchanged,
+        "exports": exports,
+    }
+
+
+def _adapter_names(directory: Path) -> list[str]:
+    with safe_open(str(directory / "adapter_model.safetensors"), framework="pt") as fh:
+        return list(fh.keys())
+
+
+def _run(impl, tmp_path, mtp: str) -> dict:
+    case = MtpCase(impl.name, str(tmp_path), mtp)
+    (result,) = run_ranks(rank_mtp_lora_train_export, case, nproc=1, timeout_s=TIMEOUT_S, preload=IMPL_PRELOAD)
+    assert result.payload["has_mtp"], "the model was built without its MTP layer; the case tests nothing"
+    return result.payload
+
+
+def test_default_lora_leaves_mtp_alone_and_every_dialect_exports_the_trained_adapter(impl, tmp_path):
+    p = _run(impl, tmp_path, "exclude")
+    in_mtp = [n for n in p["wrapped"] + p["trainable"] if n.startswith("mtp.")]
+    assert not in_mtp, f"mtp='exclude' (the default) still wrapped or trains MTP modules: {in_mtp}"
+    assert p["wrapped"], "no module was wrapped"
+    assert not p["unchanged"], f"adapters not updated by training: {p['unchanged']}"
+    for key, outcome in p["exports"].items():
+        assert outcome == "ok", f"export {key} failed with the default MTP policy: {outcome}"
+    for dialect in DIALECTS:
+        names = _adapter_names(tmp_path / f"{dialect}-reject")
+        assert names and not [n for n in names if "mtp" in n], f"{dialect}: MTP tensors in {names[:8]}"
+
+
+def test_included_mtp_lora_is_untrained_by_the_main_loss_and_only_official_carries_it(impl, tmp_path):
+    p = _run(impl, tmp_path, "include")
+    mtp_wrapped = [n for n in p["wrapped"] if n.startswith("mtp.")]
+    assert len(mtp_wrapped) == len(TARGETS), f"mtp='include' wrapped {mtp_wrapped}, expected the 5 MTP projections"
+    # the manual pipeline trains the main loss only: the MTP adapters never move (why exclude is the default)
+    mtp_unchanged = [n for n in p["unchanged"] if n.startswith("mtp.")]
+    assert mtp_unchanged and all(n.startswith("mtp.") for n in p["unchanged"]), p["unchanged"]
+    assert p["exports"]["official/reject"] == "ok", p["exports"]
+    official = _adapter_names(tmp_path / "official-reject")
+    assert any(".mtp.0.attn." in n for n in official), f"official export lacks mtp.0.attn.*: {official[-6:]}"
+    for dialect in ("transformers", "sglang"):
+        refused = p["exports"][f"{dialect}/reject"]
+        assert "MtpNotExportableError" in refused and "mtp='exclude'" in refused, f"{dialect}: {refused}"
+        assert p["exports"][f"{dialect}/exclude"] == "ok", p["exports"]
+        meta = json.loads((tmp_path / f"{dialect}-exclude" / "adapter_config.json").read_text())
+        names = _adapter_names(tmp_path / f"{dialect}-exclude")
+        assert not [n for n in names if "mtp" in n], f"{dialect} with mtp='exclude' still holds MTP tensors"
+        assert meta, f"{dialect}: empty adapter_config.json"
+
+
+def test_unknown_mtp_policy_is_a_target_error(impl):
+    with pytest.raises(impl.TargetError, match="mtp="):
+        impl.make_lora_pre_wrap_hook(targets=TARGETS, rank=4, alpha=8.0, mtp="train")
+
+
+@pytest.mark.parametrize("exclude", [None, ["*.layers.3.*"]], ids=["mtp-only", "mtp-and-an-exclusion"])
+def test_last_stage_with_mtp_wraps_its_own_global_layers(impl, exclude):
+    """A last pipeline stage holds global layers 2-3 and the MTP layer: excluding MTP (or anything) must still wrap
+    exactly the selected layers, although Megatron-Bridge's walk names them by position (layers.0, layers.1)."""
+    from tiny_models.presets import get_preset
+
+    cfg = impl.V4Config.from_hf(get_preset(PRESET))
+    model = impl.DeepseekV4NativeModel(cfg, layer_numbers=[2, 3], include_mtp=True)
+    handle = impl.apply_lora(model, targets=["wq_a", "wo_b"], exclude=exclude, rank=2, alpha=4.0)
+    layers = [2] if exclude else [2, 3]
+    want = [f"decoder.layers.{n}.self_attention.{t}" for n in layers for t in ("wq_a", "wo_b")]
+    assert sorted(handle.wrapped[0]) == sorted(want), f"wrapped {handle.wrapped[0]}, expected {want}"
