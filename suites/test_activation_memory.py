@@ -88,11 +88,12 @@ def _attention_pair(impl, layer: int, **plan):
 
 
 def _run_attention(module, x, positions):
-    x = x.clone().requires_grad_(True)
-    out = module(x, positions)
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-    return out.detach(), x.grad, grads
+    device = next(module.parameters()).device
+    x = x.to(device).requires_grad_(True)
+    out = module(x, positions.to(device))
+    (out * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
+    grads = {n: p.grad.cpu() for n, p in module.named_parameters() if p.grad is not None}
+    return out.detach().cpu(), x.grad.cpu(), grads
 
 
 @pytest.mark.parametrize("block", [5, 7, 64], ids=["block5-narrower-than-window", "block7-uneven", "block64-one"])
@@ -126,8 +127,9 @@ def test_query_block_attention_keeps_far_fewer_bytes_than_eager_scores(impl, meg
         recompute_modules=("core_attn",),
     )
     seq = 256
-    x = torch.randn(1, seq, eager.v4.hidden_size).requires_grad_(True)
-    positions = torch.arange(seq).unsqueeze(0)
+    device = next(eager.parameters()).device
+    x = torch.randn(1, seq, eager.v4.hidden_size, device=device).requires_grad_(True)
+    positions = torch.arange(seq, device=device).unsqueeze(0)
     _, eager_bytes = saved_bytes(lambda: eager(x, positions), _param_storages(eager))
     _, blocked_bytes = saved_bytes(lambda: blocked(x, positions), _param_storages(blocked))
     heads = eager.num_heads_local
@@ -151,7 +153,7 @@ def _loss_and_grads(model, ids):
     params = _param_storages(model)
     loss, kept = saved_bytes(lambda: model(ids, labels=torch.roll(ids, -1, dims=1)).mean(), params)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, kept
+    return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}, kept
 
 
 @pytest.mark.parametrize("plan", sorted(RECOMPUTE_PLANS))
@@ -160,6 +162,7 @@ def test_recompute_changes_memory_not_the_loss_or_any_gradient(impl, megatron_wo
     _, recomputed = _model(impl, RECOMPUTE_PLANS[plan])
     recomputed.load_state_dict(base.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, min_seq_len(cfg)), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(next(base.parameters()).device)
     want_loss, want_grads, want_kept = _loss_and_grads(base, ids)
     got_loss, got_grads, got_kept = _loss_and_grads(recomputed, ids)
     assert torch.equal(got_loss, want_loss), f"{plan}: loss {got_loss.item()} != {want_loss.item()}"

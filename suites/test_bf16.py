@@ -59,10 +59,10 @@ def _train_one(api, case: Bf16Case, dtype: torch.dtype) -> dict:
 
     chunks = api.build_native_model(cfg, pre_wrap_hooks=[load, hook], wrap_with_ddp=True, params_dtype=dtype)
     (chunk,) = chunks
-    ids = _ids(cfg.vocab_size)
+    ids = _ids(cfg.vocab_size).to(api.rank_device())
     chunk.eval()
     with torch.no_grad():
-        base_logits = chunk(ids).float().numpy()
+        base_logits = chunk(ids).float().cpu().numpy()
     opt = api.AdapterOptimizer(chunks, lr=1e-2, clip_grad=1.0)
     chunk.train()
     losses = []
@@ -147,3 +147,21 @@ def test_bf16_training_losses_track_the_fp32_run(runs):
     for step, (a, b) in enumerate(zip(fp32, bf16, strict=True)):
         assert abs(b - a) <= LOSS_RTOL * abs(a), f"step {step}: bf16 loss {b:.4f} vs fp32 {a:.4f} (rtol {LOSS_RTOL})"
     assert bf16[-1] < bf16[0], f"bf16 training did not lower the loss: {bf16}"
+
+
+@pytest.mark.slow
+def test_qualify_passes_in_bf16_with_the_stated_logit_tolerance(tmp_path):
+    """``dsv4-lora qualify --dtype bfloat16``: base and reloaded logits compared by mean |Δ| <= MEAN_ABS_TOL."""
+    import json
+    import sys
+
+    from fixtures.subproc import run
+
+    out = tmp_path / "q"
+    argv = [sys.executable, "-m", "impl.cli", "qualify", "--preset", PRESET, "--dtype", "bfloat16", "--out", str(out)]
+    result = run([*argv, "--timeout", "300"], timeout=600)
+    assert result.returncode == 0, f"qualify in bf16 failed:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}"
+    checks = {c["name"]: c for c in json.loads((out / "qualify.json").read_text())["checks"]}
+    for name in ("base_logits", "reload"):
+        assert checks[name]["passed"] is True and "mean|Δ|" in checks[name]["figure"], checks[name]
+        assert f"tol {MEAN_ABS_TOL:g}" in checks[name]["figure"], checks[name]["figure"]

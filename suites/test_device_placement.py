@@ -54,21 +54,21 @@ def rank_cpu_build_audit(rank: int, world_size: int, case: PlacementCase) -> dic
     for p in adapters:
         p.grad = p.main_grad.to(p.dtype)
     opt.step()
-    on_cpu = [str(m) for m in api.audit_devices(chunks, opt, expected="cpu", inputs={"input_ids": ids})]
+    misplaced = [str(m) for m in api.audit_devices(chunks, opt, expected=device, inputs={"input_ids": ids})]
     elsewhere = api.audit_devices(chunks, opt, expected="meta", inputs={"input_ids": ids})
-    # one tensor moved off the CPU must be named by the audit and by the raising form
+    # one tensor moved off the rank's device must be named by the audit and by the raising form
     buffer_name, buffer = next(iter(chunk.module.named_buffers()))
     stray = torch.empty_like(buffer, device="meta")
     chunk.module.get_submodule(buffer_name.rpartition(".")[0])._buffers[buffer_name.rpartition(".")[2]] = stray
-    after_move = [str(m) for m in api.audit_devices(chunks, opt, expected="cpu")]
+    after_move = [str(m) for m in api.audit_devices(chunks, opt, expected=device)]
     try:
-        api.require_devices(chunks, opt, expected="cpu")
+        api.require_devices(chunks, opt, expected=device)
         raised = ""
     except api.DevicePlacementError as exc:
         raised = str(exc)
     return {
         "device": str(device),
-        "on_cpu": on_cpu,
+        "misplaced": misplaced,
         "kinds_elsewhere": sorted({m.kind for m in elsewhere}),
         "count_elsewhere": len(elsewhere),
         "n_params": sum(1 for _ in chunk.module.parameters()),
@@ -140,15 +140,21 @@ def rank_pipeline_lora_collectives(rank: int, world_size: int, case: PlacementCa
     return {"tensor_collectives": calls, "wrapped": sum(len(w) for w in handle.wrapped)}
 
 
-def test_provider_build_on_cpu_keeps_every_tensor_on_the_cpu_and_the_audit_names_strays(impl):
+def test_provider_build_keeps_every_tensor_on_the_rank_device_and_the_audit_names_strays(impl):
+    """On this CPU host the rank's device is the CPU; on a CUDA host (scripts/device_check.sh) it is cuda:0."""
+    import torch
+
+    want = "cuda:0" if torch.cuda.is_available() else "cpu"
     (result,) = [
         r.payload
         for r in run_ranks(
             rank_cpu_build_audit, PlacementCase(impl.name), nproc=1, timeout_s=TIMEOUT_S, preload=IMPL_PRELOAD
         )
     ]
-    assert result["device"] == "cpu", f"impl.rank_device() on a CPU host is {result['device']}"
-    assert result["on_cpu"] == [], "tensors off the CPU after a CPU build:\n  " + "\n  ".join(result["on_cpu"][:40])
+    assert result["device"] == want, f"impl.rank_device() is {result['device']}, expected {want}"
+    assert result["misplaced"] == [], f"tensors off {want} after a provider build:\n  " + "\n  ".join(
+        result["misplaced"][:40]
+    )
     # against another device the audit must see every kind of tensor it promises to walk
     want_kinds = ["buffer", "ddp grad_data", "input", "main_grad", "optimizer state", "parameter"]
     missing = [k for k in want_kinds if k not in result["kinds_elsewhere"]]

@@ -83,7 +83,7 @@ def test_activation_model_matches_measured_saved_tensors(impl, preset, dtype, at
     )
     impl.apply_lora(model, targets=TARGETS, rank=4, alpha=8.0)
     ids = torch.randint(0, hf.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    measured = _saved_bytes(model, ids)
+    measured = _saved_bytes(model, ids.to(next(model.parameters()).device))
     shape = impl.ActivationShape(
         micro_batch=batch, seq_len=seq, dtype_bytes=dtype.itemsize, lora_rank=4, **PLANS[plan], **chunking
     )

@@ -55,7 +55,7 @@ def rank_mtp_lora_train_export(rank: int, world_size: int, case: MtpCase) -> dic
     opt = torch.optim.Adam(adapters.values(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     for _ in range(case.steps):
-        ids = torch.randint(0, cfg.vocab_size, (2, min_seq_len(cfg)), generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (2, min_seq_len(cfg)), generator=gen).to(api.rank_device())
         opt.zero_grad(set_to_none=True)
         chunk.zero_grad_buffer()
         api.ManualPipeline(chunk).run(ids, labels=torch.roll(ids, -1, dims=1), backward=True)

@@ -52,6 +52,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout_s=args.timeout,
         oracle=not args.no_oracle,
+        dtype=args.dtype,
     )
     print(f"qualify: base={opts.base} tp={opts.tp} ep={opts.ep} pp={opts.pp} ranks={nproc} targets={','.join(targets)}")
     t0 = time.perf_counter()
@@ -149,6 +150,12 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         "--no-oracle",
         action="store_true",
         help="skip the transformers comparisons (base_logits, reload): a full-size oracle does not fit one host",
+    )
+    q.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="parameter dtype (bf16: fp32 grads; logits compared by mean |Δ| <= 0.1, see impl.cli.qualify)",
     )
     q.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is stopped")
     q.add_argument("--out", default="out/qualify", help="output directory (adapter, base, report)")

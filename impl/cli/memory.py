@@ -99,7 +99,9 @@ def _attention_core(cfg: Any, a: ActivationShape, entries: int, heads: int) -> i
         if a.selective("core_attn"):
             total += mb * keys * hd * b + mask  # the checkpoint's inputs: the block's keys and mask
             continue
-        expanded = 2 * mb * heads * keys * hd * b  # the keys expanded over heads, and transposed for q @ k^T
+        # the shared keys: with one sample the matmuls fold (1, H) into the batch as a stride-0 view; with more,
+        # torch materializes them expanded over heads, once as is and once transposed for q @ k^T
+        expanded = 2 * mb * heads * keys * hd * b if mb > 1 else keys * hd * b
         probs = mb * heads * rows * ((keys + 1) * FP32 + (keys * b if b < FP32 else 0) + 8)
         total += expanded + probs + mask
     return total

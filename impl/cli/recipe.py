@@ -156,7 +156,8 @@ class DeepseekV4LoRARecipe:
     moe_token_dispatcher_type: str = "alltoall"  # the SFT recipe's choice (flex/HybridEP needs DeepEP kernels)
     # Megatron's recompute options, honoured by the native layers (impl.ActivationPlan). Upstream SFT recomputes
     # moe_act/mhc selectively; at micro-batch 1 x 4096 tokens with 11 layers and 4 micro-batches in flight on
-    # stage 0 that keeps ~150 GB of activations here, so the LoRA recipe recomputes whole layers
+    # stage 0 the native graph keeps ~240 GB of activations without whole-layer recompute, so the LoRA recipe
+    # recomputes whole layers
     # (recipes/deepseek_v4_flash_lora.md, memory table).
     recompute_granularity: str | None = "full"
     recompute_method: str = "uniform"
@@ -298,15 +299,15 @@ def deepseek_v4_flash_lora_recipe(
 
 
 def deepseek_v4_pro_lora_recipe(
-    *, nodes: int = 16, gpus_per_node: int = 8, tp: int = 4, pp: int = 8, ep: int = 16
+    *, nodes: int = 16, gpus_per_node: int = 8, tp: int = 2, pp: int = 8, ep: int = 16
 ) -> DeepseekV4LoRARecipe:
-    """The Flash recipe's LoRA settings on DeepSeek-V4-Pro: 128 GPUs, TP=4 PP=8 EP=16 (DP derived = 4).
+    """The Flash recipe's LoRA settings on DeepSeek-V4-Pro: 128 GPUs, TP=2 PP=8 EP=16 (DP derived = 8).
 
     Why this layout (recipes/deepseek_v4_flash_lora.md, Pro memory table): the bf16 base is ~3.2 TB (almost all
-    routed experts), so 16 nodes is the smallest that holds it with room for activations: 8 stages of <= 8 layers
-    with the experts over 16 ranks leave ~28 GB of weights per rank. Pro's 128-head attention dominates a
-    recomputed layer, and stage 0 holds 8 micro-batches under 1F1B: at TP=1 the heaviest rank needs ~84 GB, at
-    TP=2 ~71 GB, at TP=4 ~62 GB (heads stay whole: 32 per rank, 4 output groups per rank).
+    routed experts), so 16 nodes is the smallest count that holds it with room for activations: 8 stages of <= 8
+    layers with the experts over 16 ranks leave ~30 GB of weights per rank. Pro's 128-head attention dominates a
+    recomputed layer and stage 0 holds 8 micro-batches under 1F1B: the heaviest rank needs ~77 GB at TP=1, ~65 GB
+    at TP=2 and ~59 GB at TP=4; TP=2 is the smallest that stays under 70 GB (fewer TP all-reduces, DP 8).
     """
     if min(tp, pp, ep) < 1:
         raise UnsupportedConfigError(f"parallel sizes must be >= 1, got TP={tp} PP={pp} EP={ep}")

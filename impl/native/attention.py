@@ -30,7 +30,13 @@ from impl.native.compressor import Compressor
 from impl.native.config import V4Config
 from impl.native.indexer import INDEXER_RATIO, Indexer
 from impl.native.norm import ReplicatedLinear, RMSNorm, unweighted_rms_norm
-from impl.native.parallel import DEFAULT_INIT_STD, megatron_parallel_config, normal_init, resolve_tp_group
+from impl.native.parallel import (
+    DEFAULT_INIT_STD,
+    megatron_parallel_config,
+    normal_init,
+    place_on_init_device,
+    resolve_tp_group,
+)
 from impl.native.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = ["AttentionInputError", "DeepseekV4Attention", "grouped_wo_a"]
@@ -162,6 +168,7 @@ class DeepseekV4Attention(MegatronModule):
         kw = {"eps": self.eps, "params_dtype": params_dtype, "init_std": init_std}
         self.compressor = Compressor(d, hd, ratio, overlap=ratio == INDEXER_RATIO, **kw) if ratio > 0 else None
         self.indexer = Indexer(config, params_dtype=params_dtype, init_std=init_std) if ratio == INDEXER_RATIO else None
+        place_on_init_device(self)
 
     def _positions(self, position_ids: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
         if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:

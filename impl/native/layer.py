@@ -19,6 +19,7 @@ from impl.native.config import V4Config
 from impl.native.hyper import hc_post, hc_pre, register_hc_params
 from impl.native.moe import V4MoE
 from impl.native.norm import RMSNorm
+from impl.native.parallel import place_on_init_device
 
 __all__ = ["DeepseekV4DecoderLayer"]
 
@@ -66,6 +67,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         )
         register_hc_params(self, "attn", config)
         register_hc_params(self, "ffn", config)
+        place_on_init_device(self)
 
     def _hc_pre(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mix = partial(

@@ -31,7 +31,7 @@ from impl.native.layer import DeepseekV4DecoderLayer
 from impl.native.moe import expert_parallel_layout
 from impl.native.mtp import DeepseekV4MTPBlock
 from impl.native.norm import RMSNorm
-from impl.native.parallel import megatron_parallel_config, normal_init, resolve_tp_group
+from impl.native.parallel import megatron_parallel_config, normal_init, place_on_init_device, resolve_tp_group
 
 __all__ = ["DeepseekV4NativeModel", "GlobalLayerList", "validate_parallel_layout"]
 
@@ -178,10 +178,7 @@ class DeepseekV4NativeModel(MegatronModule):
             )
         if self.include_mtp:
             self.mtp = DeepseekV4MTPBlock(config, tp_group=tp_group, params_dtype=params_dtype, activations=activations)
-        if not mp_config.use_cpu_initialization:
-            # Megatron's parallel layers were created on the GPU; the replicated blocks follow them now, so a chunk
-            # is never split across devices (get_model's later .cuda() is then a no-op).
-            self.to(torch.cuda.current_device())
+        place_on_init_device(self)  # get_model's later .cuda() is then a no-op
 
     # -- pipeline plumbing ---------------------------------------------------------------------------------------
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:

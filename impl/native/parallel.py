@@ -31,6 +31,7 @@ __all__ = [
     "cpu_initialization",
     "megatron_parallel_config",
     "normal_init",
+    "place_on_init_device",
     "resolve_tp_group",
 ]
 
@@ -58,6 +59,13 @@ def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGr
 def cpu_initialization() -> bool:
     """True when parameters are to be created on the CPU: no CUDA, or an ambient ``torch.device("meta")``."""
     return not torch.cuda.is_available() or torch.empty(0).device.type == "meta"
+
+
+def place_on_init_device(module: torch.nn.Module) -> None:
+    """On a CUDA host Megatron's parallel layers were created on the current GPU: move the rest of ``module``
+    there too, so a block built on its own (not through the provider) is never split across devices."""
+    if not cpu_initialization():
+        module.to(torch.cuda.current_device())
 
 
 def megatron_parallel_config(
