@@ -7,7 +7,7 @@
 # server; the full dependency sets pull CUDA builds and several GB). An environment whose requirements file is
 # unchanged is reused. The main .venv is untouched.
 # Environment: DSV4_CONSUMERS_DIR (default .consumers); DSV4_TORCH_CPU_INDEX, an extra index with the CPU torch
-# wheel (e.g. https://download.pytorch.org/whl/cpu) where pip's configured find-links do not provide it.
+# wheel (PyTorch's own CPU wheel index) where pip's configured find-links do not provide it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${DSV4_CONSUMERS_DIR:-.consumers}
@@ -42,7 +42,7 @@ install_one() {
   [ -n "${DSV4_TORCH_CPU_INDEX:-}" ] && extra=(--extra-index-url "$DSV4_TORCH_CPU_INDEX")
   if ! "$env/bin/python" -m pip install --disable-pip-version-check -q --no-deps --no-compile "${extra[@]}" -r "$req"; then
     echo "error: installing $req failed; if torch==2.13.0+cpu was not found, set" \
-      "DSV4_TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu" >&2
+      "DSV4_TORCH_CPU_INDEX=<PyTorch CPU wheel index URL>" >&2
     return 1
   fi
   echo "$spec" >"$env/.consumer-spec"

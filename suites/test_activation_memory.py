@@ -33,8 +33,8 @@ RECOMPUTE_PLANS = {
 
 
 @pytest.fixture(scope="module")
-def megatron_world() -> None:
-    ensure_single_rank_megatron()
+def megatron_world(impl) -> None:
+    ensure_single_rank_megatron(impl)
 
 
 def saved_bytes(fn, exclude: set[int]) -> tuple[torch.Tensor, int]:

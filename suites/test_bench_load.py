@@ -94,7 +94,7 @@ def _best(fn, repeats: int = REPEATS) -> float:
 
 
 def test_bridge_load_of_one_flash_layer_share_vs_raw_safetensors_read(impl, layer_share):
-    ensure_single_rank_megatron()
+    ensure_single_rank_megatron(impl)
     cfg, ckpt, nbytes = layer_share
     files = sorted(ckpt.glob("*.safetensors"))
     chunk = impl.DeepseekV4NativeModel(

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures.multirank import IMPL_PRELOAD, run_ranks
+from fixtures.multirank import impl_preload, run_ranks
 from tiny_models.checkpoint import load_oracle, write_checkpoint
 from tiny_models.presets import get_preset, min_seq_len
 
@@ -103,7 +103,9 @@ def rank_bf16_vs_fp32(rank: int, world_size: int, case: Bf16Case) -> dict:
 @pytest.fixture(scope="module")
 def runs(impl, tmp_path_factory):
     ckpt = str(write_checkpoint(PRESET, tmp_path_factory.mktemp("bf16-ckpt"), seed=3))
-    (result,) = run_ranks(rank_bf16_vs_fp32, Bf16Case(impl.name, ckpt), nproc=1, timeout_s=600, preload=IMPL_PRELOAD)
+    (result,) = run_ranks(
+        rank_bf16_vs_fp32, Bf16Case(impl.name, ckpt), nproc=1, timeout_s=600, preload=impl_preload(impl.name)
+    )
     ids = _ids(get_preset(PRESET).vocab_size)
     with torch.no_grad():
         oracle = load_oracle(ckpt)(ids).logits.float().numpy()
@@ -150,7 +152,7 @@ def test_bf16_training_losses_track_the_fp32_run(runs):
 
 
 @pytest.mark.slow
-def test_qualify_passes_in_bf16_with_the_stated_logit_tolerance(tmp_path):
+def test_qualify_passes_in_bf16_with_the_stated_logit_tolerance(impl, tmp_path):
     """``dsv4-lora qualify --dtype bfloat16``: base and reloaded logits compared by mean |Δ| <= MEAN_ABS_TOL."""
     import json
     import sys
@@ -158,7 +160,18 @@ def test_qualify_passes_in_bf16_with_the_stated_logit_tolerance(tmp_path):
     from fixtures.subproc import run
 
     out = tmp_path / "q"
-    argv = [sys.executable, "-m", "impl.cli", "qualify", "--preset", PRESET, "--dtype", "bfloat16", "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        f"{impl.name}.cli",
+        "qualify",
+        "--preset",
+        PRESET,
+        "--dtype",
+        "bfloat16",
+        "--out",
+        str(out),
+    ]
     result = run([*argv, "--timeout", "300"], timeout=600)
     assert result.returncode == 0, f"qualify in bf16 failed:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}"
     checks = {c["name"]: c for c in json.loads((out / "qualify.json").read_text())["checks"]}

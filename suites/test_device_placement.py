@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from fixtures.multirank import IMPL_PRELOAD, run_ranks
+from fixtures.multirank import impl_preload, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
@@ -59,7 +59,8 @@ def rank_cpu_build_audit(rank: int, world_size: int, case: PlacementCase) -> dic
     # one tensor moved off the rank's device must be named by the audit and by the raising form
     buffer_name, buffer = next(iter(chunk.module.named_buffers()))
     stray = torch.empty_like(buffer, device="meta")
-    chunk.module.get_submodule(buffer_name.rpartition(".")[0])._buffers[buffer_name.rpartition(".")[2]] = stray
+    owner, _, leaf = buffer_name.rpartition(".")
+    chunk.module.get_submodule(owner).register_buffer(leaf, stray)
     after_move = [str(m) for m in api.audit_devices(chunks, opt, expected=device)]
     try:
         api.require_devices(chunks, opt, expected=device)
@@ -148,7 +149,11 @@ def test_provider_build_keeps_every_tensor_on_the_rank_device_and_the_audit_name
     (result,) = [
         r.payload
         for r in run_ranks(
-            rank_cpu_build_audit, PlacementCase(impl.name), nproc=1, timeout_s=TIMEOUT_S, preload=IMPL_PRELOAD
+            rank_cpu_build_audit,
+            PlacementCase(impl.name),
+            nproc=1,
+            timeout_s=TIMEOUT_S,
+            preload=impl_preload(impl.name),
         )
     ]
     assert result["device"] == want, f"impl.rank_device() is {result['device']}, expected {want}"
@@ -170,7 +175,11 @@ def test_a_cuda_host_gets_a_gpu_placed_model_from_the_provider(impl):
     (result,) = [
         r.payload
         for r in run_ranks(
-            rank_cuda_host_build, PlacementCase(impl.name), nproc=1, timeout_s=TIMEOUT_S, preload=IMPL_PRELOAD
+            rank_cuda_host_build,
+            PlacementCase(impl.name),
+            nproc=1,
+            timeout_s=TIMEOUT_S,
+            preload=impl_preload(impl.name),
         )
     ]
     assert result["use_cpu_initialization"] == [False] * len(result["chunk_types"]), (
@@ -186,7 +195,7 @@ def test_lora_target_check_across_pipeline_stages_sends_no_cpu_tensor_to_a_tenso
     """Under NCCL a CPU tensor in all_reduce fails: the check's flags must travel as objects (backend's device)."""
     results = run_ranks(
         rank_pipeline_lora_collectives, PlacementCase(impl.name, pp=2), nproc=2, timeout_s=TIMEOUT_S,
-        preload=IMPL_PRELOAD,
+        preload=impl_preload(impl.name),
     )  # fmt: skip
     for r in results:
         assert r.payload["wrapped"] > 0, f"rank {r.rank}: LoRA wrapped nothing"

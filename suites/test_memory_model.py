@@ -72,7 +72,7 @@ def _saved_bytes(model, ids) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("preset", ["tiny-mixed", "tiny-tp"])
 def test_activation_model_matches_measured_saved_tensors(impl, preset, dtype, attention, plan):
-    ensure_single_rank_megatron()
+    ensure_single_rank_megatron(impl)
     hf = get_preset(preset)
     cfg = impl.V4Config.from_hf(hf)
     seq, batch = 2 * min_seq_len(hf), 2

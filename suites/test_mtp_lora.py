@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from fixtures.multirank import IMPL_PRELOAD, run_ranks
+from fixtures.multirank import impl_preload, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
@@ -90,7 +90,9 @@ def _adapter_names(directory: Path) -> list[str]:
 
 def _run(impl, tmp_path, mtp: str) -> dict:
     case = MtpCase(impl.name, str(tmp_path), mtp)
-    (result,) = run_ranks(rank_mtp_lora_train_export, case, nproc=1, timeout_s=TIMEOUT_S, preload=IMPL_PRELOAD)
+    (result,) = run_ranks(
+        rank_mtp_lora_train_export, case, nproc=1, timeout_s=TIMEOUT_S, preload=impl_preload(impl.name)
+    )
     assert result.payload["has_mtp"], "the model was built without its MTP layer; the case tests nothing"
     return result.payload
 
