@@ -150,3 +150,33 @@ def test_a_present_but_broken_transformer_engine_is_named_with_its_cause(impl, t
         f"a transformer_engine that fails to import was not reported:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     )
     assert "libcudart.so.12" in result.stdout and "transformer_engine" in result.stdout, result.stdout
+
+
+DEVICE_CHECK = REPO_ROOT / "scripts" / "device_check.sh"
+DEVICE_CHECK_STEPS = [
+    "cuda-present",
+    "qualify-fp32",
+    "qualify-bf16",
+    "gpu-marked-1gpu",
+    "device-suites",
+    "layer-memory",
+    "load-bench",
+]
+
+
+def test_device_check_reports_every_step_even_when_its_budget_runs_out(tmp_path):
+    """A 20 s budget cannot hold the steps: the script must time out / skip them, never stop early, print the
+    summary table with every step, and exit non-zero (the full dry run is ``DEVICE_CHECK_DRY=1``, ~2-6 min)."""
+    assert run(["bash", "-n", str(DEVICE_CHECK)], timeout=30).returncode == 0
+    env = {
+        "DEVICE_CHECK_DRY": "1",
+        "DEVICE_CHECK_BUDGET_S": "20",
+        "DEVICE_CHECK_OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+    }
+    result = run(["bash", str(DEVICE_CHECK)], timeout=120, env=env)
+    table = result.stdout[result.stdout.index("step ") :]
+    rows = [line.split()[0] for line in table.splitlines()[1:] if line and not line.startswith("total")]
+    assert rows == DEVICE_CHECK_STEPS, f"summary rows {rows}:\n{result.stdout[-3000:]}"
+    assert "SKIP (budget spent)" in table or "TIMEOUT" in table, table
+    assert result.returncode == 1, f"exit {result.returncode} although steps did not pass:\n{table}"
