@@ -11,11 +11,9 @@ autograd keeps (saved-tensor hooks) against ``impl.stage_activation_bytes``, and
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import tempfile
-import weakref
 
 import torch
 
@@ -34,24 +32,6 @@ def _config(tiny: bool):
     return cfg, 0
 
 
-def _kept_bytes(fn, exclude: set[int]) -> tuple[object, int]:
-    saved: list[weakref.ref] = []
-
-    def pack(t):
-        saved.append(weakref.ref(t))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    gc.collect()
-    storages: dict[int, int] = {}
-    for ref in saved:
-        t = ref()
-        if t is not None and t.untyped_storage().data_ptr() not in exclude:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return out, sum(storages.values())
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=None, help="tokens (default 4096; --tiny: 96)")
@@ -60,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     import impl
+    from fixtures.saved_tensors import saved_bytes
 
     impl.compat_report()
     from megatron.core import parallel_state
@@ -83,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     pos = torch.arange(seq, device=device).unsqueeze(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    out, kept = _kept_bytes(lambda: holder.layer(x, ids, pos), params)
+    out, kept = saved_bytes(lambda: holder.layer(x, ids, pos), params)
     out.float().square().mean().backward()
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     shape = impl.ActivationShape(micro_batch=1, seq_len=seq, dtype_bytes=2, lora_rank=16)

@@ -10,13 +10,11 @@
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
 
 from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.saved_tensors import param_storages, saved_bytes
 from tiny_models.presets import get_preset, min_seq_len
 
 pytestmark = pytest.mark.cpu
@@ -35,36 +33,6 @@ RECOMPUTE_PLANS = {
 @pytest.fixture(scope="module")
 def megatron_world(impl) -> None:
     ensure_single_rank_megatron(impl)
-
-
-def saved_bytes(fn, exclude: set[int]) -> tuple[torch.Tensor, int]:
-    """``fn()`` and the bytes of the distinct storages autograd still keeps for backward once ``fn`` returned.
-
-    A tensor saved by a branch that does not reach the output (the indexer's scores feed an integer top-k) is
-    freed with that branch during the forward; only tensors still alive afterwards count. ``exclude``: storage
-    pointers of parameters and buffers."""
-    saved: list[weakref.ref] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(weakref.ref(t))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    gc.collect()
-    storages: dict[int, int] = {}
-    for ref in saved:
-        t = ref()
-        if t is not None and t.untyped_storage().data_ptr() not in exclude:
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
-    return out, sum(storages.values())
-
-
-def _param_storages(module: torch.nn.Module) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in module.parameters()} | {
-        b.untyped_storage().data_ptr() for b in module.buffers()
-    }
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> None:
@@ -130,8 +98,8 @@ def test_query_block_attention_keeps_far_fewer_bytes_than_eager_scores(impl, meg
     device = next(eager.parameters()).device
     x = torch.randn(1, seq, eager.v4.hidden_size, device=device).requires_grad_(True)
     positions = torch.arange(seq, device=device).unsqueeze(0)
-    _, eager_bytes = saved_bytes(lambda: eager(x, positions), _param_storages(eager))
-    _, blocked_bytes = saved_bytes(lambda: blocked(x, positions), _param_storages(blocked))
+    _, eager_bytes = saved_bytes(lambda: eager(x, positions), param_storages(eager))
+    _, blocked_bytes = saved_bytes(lambda: blocked(x, positions), param_storages(blocked))
     heads = eager.num_heads_local
     scores = heads * seq * seq * 4  # one fp32 [H, S, S] score tensor, without the entries
     assert eager_bytes > scores, f"eager attention kept only {eager_bytes} bytes; the eager path was not taken"
@@ -150,7 +118,7 @@ def _model(impl, plan: dict):
 
 def _loss_and_grads(model, ids):
     model.zero_grad(set_to_none=True)
-    params = _param_storages(model)
+    params = param_storages(model)
     loss, kept = saved_bytes(lambda: model(ids, labels=torch.roll(ids, -1, dims=1)).mean(), params)
     loss.backward()
     return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}, kept

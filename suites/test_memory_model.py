@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.saved_tensors import param_storages, saved_bytes
 from fixtures.subproc import REPO_ROOT
 from tiny_models.manifest import manifest
 from tiny_models.presets import flash_config, get_preset, min_seq_len, pro_config
@@ -43,28 +44,23 @@ def pro_rows(impl):
     return impl.recipe_memory(pro_config(), impl.deepseek_v4_pro_lora_recipe())
 
 
-def _saved_bytes(model, ids) -> int:
-    """Bytes of the distinct storages autograd still keeps after the forward (parameters and buffers excluded)."""
-    import gc
-    import weakref
-
-    params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: list[weakref.ref] = []
-
-    def pack(t):
-        saved.append(weakref.ref(t))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, labels=torch.roll(ids, -1, dims=1)).mean()
-    gc.collect()
-    storages: dict[int, int] = {}
-    for ref in saved:
-        t = ref()
-        if t is not None and t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    del loss
-    return sum(storages.values())
+def _measure_and_model(impl, hf, dtype: torch.dtype, plan: dict, lora_rank: int = 4) -> tuple[int, int]:
+    """(bytes autograd keeps, bytes the model predicts) for the whole tiny model, micro-batch 2."""
+    ensure_single_rank_megatron(impl)
+    cfg = impl.V4Config.from_hf(hf)
+    seq, batch = 2 * min_seq_len(hf), 2
+    torch.manual_seed(0)
+    model = impl.DeepseekV4NativeModel(cfg, params_dtype=dtype, activations=impl.ActivationPlan(**plan))
+    impl.apply_lora(model, targets=TARGETS, rank=lora_rank, alpha=8.0)
+    ids = torch.randint(0, hf.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(next(model.parameters()).device)
+    _, measured = saved_bytes(lambda: model(ids, labels=torch.roll(ids, -1, dims=1)).mean(), param_storages(model))
+    shape = impl.ActivationShape(
+        micro_batch=batch, seq_len=seq, dtype_bytes=dtype.itemsize, lora_rank=lora_rank, **plan
+    )
+    modeled, transient = impl.stage_activation_bytes(cfg, list(range(cfg.num_layers)), shape, first=True, head=True)
+    assert transient == 0
+    return measured, modeled
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
@@ -72,26 +68,40 @@ def _saved_bytes(model, ids) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("preset", ["tiny-mixed", "tiny-tp"])
 def test_activation_model_matches_measured_saved_tensors(impl, preset, dtype, attention, plan):
-    ensure_single_rank_megatron(impl)
-    hf = get_preset(preset)
-    cfg = impl.V4Config.from_hf(hf)
-    seq, batch = 2 * min_seq_len(hf), 2
     chunking = dict(attention_chunk_threshold=0 if attention == "query-blocks" else 10**9, attention_query_block=16)
-    torch.manual_seed(0)
-    model = impl.DeepseekV4NativeModel(
-        cfg, params_dtype=dtype, activations=impl.ActivationPlan(**PLANS[plan], **chunking)
-    )
-    impl.apply_lora(model, targets=TARGETS, rank=4, alpha=8.0)
-    ids = torch.randint(0, hf.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    measured = _saved_bytes(model, ids.to(next(model.parameters()).device))
-    shape = impl.ActivationShape(
-        micro_batch=batch, seq_len=seq, dtype_bytes=dtype.itemsize, lora_rank=4, **PLANS[plan], **chunking
-    )
-    modeled, transient = impl.stage_activation_bytes(cfg, list(range(cfg.num_layers)), shape, first=True, head=True)
-    assert transient == 0
+    measured, modeled = _measure_and_model(impl, get_preset(preset), dtype, {**PLANS[plan], **chunking})
     assert abs(modeled - measured) <= ACTIVATION_RTOL * measured, (
         f"{preset} {dtype} {attention} {plan}: model {modeled} bytes vs measured {measured} "
         f"({modeled / measured - 1:+.1%})"
+    )
+
+
+#: One knob per term of the model that is small next to the whole (a dropped routed-expert or adapter term moves
+#: the total by less than ``ACTIVATION_RTOL``): doubling it must move the model as much as the measurement.
+TERM_KNOBS = {
+    "routed experts (top-k 1 -> 2)": ("num_experts_per_tok", 1, 2),
+    "shared experts (1 -> 2)": ("n_shared_experts", 1, 2),
+    "LoRA activations (rank 4 -> 16)": ("lora_rank", 4, 16),
+}
+TERM_RTOL = 0.05
+
+
+@pytest.mark.parametrize("term", sorted(TERM_KNOBS))
+def test_each_small_term_of_the_activation_model_moves_with_the_measurement(impl, term):
+    field, low, high = TERM_KNOBS[term]
+    deltas = []
+    for value in (low, high):
+        hf = get_preset("tiny-mixed")
+        if field == "lora_rank":
+            deltas.append(_measure_and_model(impl, hf, torch.float32, PLANS["no-recompute"], lora_rank=value))
+        else:
+            setattr(hf, field, value)
+            deltas.append(_measure_and_model(impl, hf, torch.float32, PLANS["no-recompute"]))
+    measured = deltas[1][0] - deltas[0][0]
+    modeled = deltas[1][1] - deltas[0][1]
+    assert measured > 0, f"{term}: the measurement did not move ({deltas})"
+    assert abs(modeled - measured) <= TERM_RTOL * measured, (
+        f"{term}: the model moves by {modeled} bytes, autograd keeps {measured} more ({modeled / measured - 1:+.1%})"
     )
 
 
