@@ -434,30 +434,10 @@ def make_lora_pre_wrap_hook(
     return hook
 
 
-def apply_lora(
-    model_chunks,
-    *,
-    targets,
-    exclude=None,
-    rank: int,
-    alpha: float,
-    dropout: float = 0.0,
-    lora_A_init_method: str = "xavier",
-    lora_B_init_method: str = "zero",
-    adapter_names: Sequence[str] | None = None,
-    mtp: str = "exclude",
-) -> LoraHandle:
-    """Apply LoRA to already-built chunks (the pre-wrap hook, run now); only adapter params stay trainable."""
-    hook = make_lora_pre_wrap_hook(
-        targets=targets,
-        exclude=exclude,
-        rank=rank,
-        alpha=alpha,
-        dropout=dropout,
-        lora_A_init_method=lora_A_init_method,
-        lora_B_init_method=lora_B_init_method,
-        adapter_names=adapter_names,
-        mtp=mtp,
-    )
+def apply_lora(model_chunks, **options: Any) -> LoraHandle:
+    """Apply LoRA to already-built chunks (the pre-wrap hook, run now); only adapter params stay trainable.
+
+    ``options``: those of :func:`make_lora_pre_wrap_hook` (``targets``, ``rank`` and ``alpha`` required)."""
+    hook = make_lora_pre_wrap_hook(**options)
     hook(model_chunks)
     return hook.handle
