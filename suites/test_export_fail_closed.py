@@ -154,21 +154,24 @@ def test_a_staged_config_that_differs_from_the_built_one_is_never_published(api,
     earlier export stays as it was."""
     import json
     import os
+    import threading
 
     out = tmp_path / "adapter"
     api.export_adapter(api.AdapterState(_good(), r=R, alpha=8.0), out)
     before = snapshot_tree(out)
-    real_fsync, tampered = os.fsync, []
+    real_fsync, tampered, once = os.fsync, [], threading.Lock()
 
     def fsync_then_tamper(fd: int) -> None:
         """Once a config other than the published one exists under the destination's parent (the staged one,
-        whatever the exporter calls its staging area), rewrite it with another lora_alpha."""
+        whatever the exporter calls its staging area), rewrite it with another lora_alpha (once, even when the
+        exporter syncs from several threads)."""
         real_fsync(fd)
-        staged = [p for p in tmp_path.rglob("adapter_config.json") if p != out / "adapter_config.json"]
-        if staged and not tampered:
-            config = json.loads(staged[0].read_text())
-            staged[0].write_text(json.dumps({**config, "lora_alpha": 99.0}, indent=2, sort_keys=True) + "\n")
-            tampered.append(staged[0])
+        with once:
+            staged = [p for p in tmp_path.rglob("adapter_config.json") if p != out / "adapter_config.json"]
+            if staged and not tampered:
+                config = json.loads(staged[0].read_text())
+                staged[0].write_text(json.dumps({**config, "lora_alpha": 99.0}, indent=2, sort_keys=True) + "\n")
+                tampered.append(staged[0])
 
     monkeypatch.setattr(os, "fsync", fsync_then_tamper)
     with pytest.raises(api.CollectiveExportError, match="adapter_config.json") as info:
