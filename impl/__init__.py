@@ -56,6 +56,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "resolve_module",
         "translate_module",
     ),
+    "impl.conversion.base_dir": ("inspect_base", "read_base_dir"),
     "impl.errors": (
         "CheckpointMappingError",
         "ConfigFileError",

@@ -13,7 +13,7 @@ them all (``dsv4-lora verify-adapter``).
 | ``names`` | a tensor is not a PEFT LoRA tensor, the dialect is unknown, or (with a base) a module resolves to no base weight or wraps something other than the main attention projections |
 | ``halves`` | a module has only ``lora_A`` or only ``lora_B`` |
 | ``shapes`` | ``lora_A [r, in]`` / ``lora_B [out, r]`` disagree with ``r`` (and with the base weight ``[out, in]``) |
-| ``finite`` | NaN or Inf in a tensor |
+| ``finite`` | a tensor is not float32/bf16/fp16/fp64, or holds NaN or Inf |
 | ``selection`` | ``target_modules`` does not select exactly the exported modules |
 | ``fingerprint`` | (with a base) the adapter was trained against another base, or records none |
 """
@@ -43,6 +43,9 @@ class AdapterValidationError(ExportError):
     """An exported adapter directory is inconsistent (file, tensor or field named)."""
 
 
+#: what PEFT loads a LoRA weight as (FP8 / integer tensors are not adapters)
+LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_LORA_DTYPE_NAMES = ", ".join(str(d).removeprefix("torch.") for d in LORA_DTYPES)
 _TENSOR_RE = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight")
 _MAIN_RE = re.compile(r"(?:layers\.[0-9]+|mtp\.[0-9]+)\.attn\.([a-z_0-9]+)\.weight")
 
@@ -231,10 +234,11 @@ def _dims(half: str, want: list[Any]) -> str:
 
 def _finite(a: AdapterDir) -> Iterator[str]:
     for key, t in a.tensors.items():
+        if t.dtype not in LORA_DTYPES:
+            yield f"{key}: dtype {str(t.dtype).removeprefix('torch.')}, a LoRA weight is one of {_LORA_DTYPE_NAMES}"
+            continue
         if t.is_floating_point() and not all_finite(t):
             yield f"{key}: holds NaN/Inf"
-        if not t.is_floating_point():
-            yield f"{key}: dtype {str(t.dtype).removeprefix('torch.')}, a LoRA weight is floating point"
 
 
 def _selection(a: AdapterDir) -> Iterator[str]:
