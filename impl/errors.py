@@ -15,6 +15,11 @@ __all__ = [
     "GroupedLoRAError",
     "ExportError",
     "PipelineLayoutError",
+    "InputFileError",
+    "ConfigFileError",
+    "ShardIndexError",
+    "OutputPathError",
+    "UsageError",
 ]
 
 
@@ -63,3 +68,25 @@ class ExportError(Dsv4Error, RuntimeError):
 
 class PipelineLayoutError(Dsv4Error, ValueError):
     """A pipeline layout is impossible for this model (named stage and reason)."""
+
+
+class InputFileError(Dsv4Error, ValueError):
+    """An input file or directory is missing, unreadable, or not what it must be (path named)."""
+
+
+class ConfigFileError(InputFileError):
+    """A JSON config (``config.json``, ``adapter_config.json``, a shard index, a manifest, a recipe) is not valid
+    JSON, not an object, or lacks a required key (file and key named)."""
+
+
+class ShardIndexError(CorruptCheckpointError):
+    """``model.safetensors.index.json`` and the shard files disagree: a named shard is missing, a shard is not
+    named, or a tensor sits in another shard than the index says."""
+
+
+class OutputPathError(Dsv4Error, OSError):
+    """An output path cannot be created or written (path and reason named)."""
+
+
+class UsageError(Dsv4Error, ValueError):
+    """Command-line arguments that cannot work (the command exits 2, like a parse error)."""

@@ -27,6 +27,7 @@ from impl.adapter.files import (
     ADAPTER_FILE,
     CONFIG_FILE,
     config_text,
+    follow_umask,
     fsync_path,
     recover_export_dir,
     set_aside,
@@ -76,6 +77,7 @@ def write(ctx: ExportContext) -> None:
         ctx.out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
         safetensors.torch.save_file(ctx.payload, str(staging / ADAPTER_FILE), metadata=ctx.built.metadata)
+        follow_umask(staging / ADAPTER_FILE)
         with open(staging / CONFIG_FILE, "w") as f:
             f.write(config_text(ctx.built.config))
         # The re-read check needs only the page cache, so it runs while the fsync phase waits for the disk.

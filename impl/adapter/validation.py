@@ -13,7 +13,7 @@ them all (``dsv4-lora verify-adapter``).
 | ``names`` | a tensor is not a PEFT LoRA tensor, the dialect is unknown, or (with a base) a module resolves to no base weight or wraps something other than the main attention projections |
 | ``halves`` | a module has only ``lora_A`` or only ``lora_B`` |
 | ``shapes`` | ``lora_A [r, in]`` / ``lora_B [out, r]`` disagree with ``r`` (and with the base weight ``[out, in]``) |
-| ``finite`` | NaN or Inf in a tensor |
+| ``finite`` | a tensor is not float32/bf16/fp16/fp64, or holds NaN or Inf |
 | ``selection`` | ``target_modules`` does not select exactly the exported modules |
 | ``fingerprint`` | (with a base) the adapter was trained against another base, or records none |
 """
@@ -43,6 +43,9 @@ class AdapterValidationError(ExportError):
     """An exported adapter directory is inconsistent (file, tensor or field named)."""
 
 
+#: what PEFT loads a LoRA weight as (FP8 / integer tensors are not adapters)
+LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_LORA_DTYPE_NAMES = ", ".join(str(d).removeprefix("torch.") for d in LORA_DTYPES)
 _TENSOR_RE = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight")
 _MAIN_RE = re.compile(r"(?:layers\.[0-9]+|mtp\.[0-9]+)\.attn\.([a-z_0-9]+)\.weight")
 
@@ -129,6 +132,9 @@ def _files(a: AdapterDir) -> Iterator[str]:
             read()
         except Exception as exc:  # a corrupt file is a finding, not a traceback
             yield f"{file}: unreadable ({type(exc).__name__}: {exc})"
+            continue
+        if file == a.config_file and not isinstance(a.config, dict):
+            yield f"{file}: a JSON {type(a.config).__name__}, expected an object"
 
 
 def _marker(a: AdapterDir) -> Iterator[str]:
@@ -161,6 +167,20 @@ def _config(a: AdapterDir) -> Iterator[str]:
         yield f"{file}: lora_alpha={alpha!r} must be positive"
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         yield f"{file}: rank_pattern/alpha_pattern are not produced for V4 adapters"
+    if not _valid_target_modules(cfg.get("target_modules")):
+        yield f"{file}: target_modules={cfg.get('target_modules')!r} is neither a regular expression nor a list of names"
+
+
+def _valid_target_modules(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(isinstance(v, str) for v in value)
+    if not isinstance(value, str):
+        return False
+    try:
+        re.compile(value)
+    except re.error:
+        return False
+    return True
 
 
 def _names(a: AdapterDir) -> Iterator[str]:
@@ -214,14 +234,17 @@ def _dims(half: str, want: list[Any]) -> str:
 
 def _finite(a: AdapterDir) -> Iterator[str]:
     for key, t in a.tensors.items():
+        if t.dtype not in LORA_DTYPES:
+            yield f"{key}: dtype {str(t.dtype).removeprefix('torch.')}, a LoRA weight is one of {_LORA_DTYPE_NAMES}"
+            continue
         if t.is_floating_point() and not all_finite(t):
             yield f"{key}: holds NaN/Inf"
 
 
 def _selection(a: AdapterDir) -> Iterator[str]:
     d, got = a.dialect, a.config.get("target_modules")
-    if d is None or not a.modules:
-        return  # reported by names
+    if d is None or not a.modules or not _valid_target_modules(got):
+        return  # reported by names / config
     if a.base_names is None:
         if got != d.target_modules(list(a.modules)):
             yield (
@@ -250,13 +273,29 @@ def selected_modules(target_modules: Any, base_modules: Mapping[str, str]) -> se
 def _fingerprint(a: AdapterDir) -> Iterator[str]:
     if a.fingerprint_base is None:
         return
-    if read_adapter_fingerprint(a.path) is None:
+    try:
+        recorded = read_adapter_fingerprint(a.path)
+    except ValueError as exc:  # the metadata entry is not JSON
+        yield f"{a.tensor_file}: unreadable base fingerprint metadata ({exc})"
+        return
+    if recorded is None:
         yield f"{a.tensor_file}: records no base fingerprint; cannot prove which base it was trained on"
         return
+    if not _fingerprint_shape(recorded):
+        yield f"{a.tensor_file}: the base fingerprint metadata is not a dsv4-lora fingerprint"
+        return
     try:
-        verify_fingerprint(a.path, a.fingerprint_base, config=a.base_config)
+        verify_fingerprint(recorded, a.fingerprint_base, config=a.base_config)
     except FingerprintMismatchError as exc:  # names each differing tensor
         yield str(exc)
+
+
+def _fingerprint_shape(recorded: Any) -> bool:
+    tensors = recorded.get("tensors") if isinstance(recorded, dict) else None
+    fields = ("shape", "dtype", "sha256")
+    return isinstance(tensors, dict) and all(
+        isinstance(r, dict) and all(f in r for f in fields) for r in tensors.values()
+    )
 
 
 class AdapterCheck(NamedTuple):
@@ -303,8 +342,8 @@ def list_problems(adapter: AdapterDir, checks: Sequence[AdapterCheck] = ADAPTER_
     """Reporter 1: run every check and list every problem (stops only after a failed blocking check)."""
     reports = []
     for check in checks:
-        problems = list(check.problems(adapter))
-        figure = f"{len(problems)} problem(s)" if problems else check.figure(adapter)
+        problems = list(_guarded(check, adapter))
+        figure = f"{len(problems)} problem(s)" if problems else _guarded_figure(check, adapter)
         reports.append(CheckReport(check.name, problems, figure))
         if problems and check.blocking:
             break
@@ -314,8 +353,33 @@ def list_problems(adapter: AdapterDir, checks: Sequence[AdapterCheck] = ADAPTER_
 def raise_first_problem(adapter: AdapterDir, checks: Sequence[AdapterCheck] = ADAPTER_CHECKS) -> None:
     """Reporter 2: raise the first problem of the first failing check as that check's error type."""
     for check in checks:
-        for problem in check.problems(adapter):
+        for problem in _guarded(check, adapter):
             raise check.error(problem)
+
+
+#: Last resort: what a check stumbles on becomes its problem (naming the adapter and the check), not a traceback.
+#: Every known bad input is caught by name in the checks above; the suites fail if this is ever reached.
+UNCHECKED = "could not be checked"
+
+
+def _guarded(check: AdapterCheck, adapter: AdapterDir) -> Iterator[str]:
+    found = check.problems(adapter)
+    while True:
+        try:
+            problem = next(found)
+        except StopIteration:
+            return
+        except Exception as exc:
+            yield f"{adapter.path}: {check.name} {UNCHECKED} ({type(exc).__name__}: {exc})"
+            return
+        yield problem
+
+
+def _guarded_figure(check: AdapterCheck, adapter: AdapterDir) -> str:
+    try:
+        return check.figure(adapter)
+    except Exception as exc:
+        return f"{check.name} {UNCHECKED} ({type(exc).__name__})"
 
 
 def validate_adapter_dir(

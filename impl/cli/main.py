@@ -8,9 +8,45 @@ import sys
 import time
 from pathlib import Path
 
+from impl.errors import Dsv4Error, OutputPathError, UsageError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _print_problems(problems: list[str]) -> int:
+    """Bad input as the user sees it: one line per problem, each naming its file, then the verdict (exit 1)."""
+    for problem in problems:
+        print(f"  problem: {problem}")
+    print(f"\nFAILED: {len(problems)} problem(s)")
+    return EXIT_FAILED
+
+
+def _output_dir(path: str) -> Path:
+    """``--out`` created and writable, or :class:`OutputPathError` naming it and why."""
+    out = Path(path).resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".dsv4-lora-write-probe"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise OutputPathError(f"--out {out}: not a writable directory ({exc.strerror or type(exc).__name__})") from None
+    return out
+
+
+def _positive(kind: type, *, zero: bool = False):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"{text} must be {'non-negative' if zero else 'positive'}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
 
 
 def _print_table(rows: list[tuple[str, str, str]]) -> None:
@@ -27,8 +63,16 @@ def _status(passed: bool | None) -> str:
 def cmd_qualify(args: argparse.Namespace) -> int:
     from impl.cli.qualify import QualifyOptions, run_qualify, versions
 
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = _output_dir(args.out)
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    if not targets:
+        raise UsageError(f"--targets {args.targets!r} names no target; give comma-separated names such as wq_a,wo_b")
+    nproc = args.nproc or args.tp * args.pp * args.ep
+    if nproc % (args.tp * args.pp) or nproc % (args.ep * args.pp):
+        raise UsageError(
+            f"--nproc {nproc} ranks cannot hold TP={args.tp} x PP={args.pp} (dense) and EP={args.ep} x PP={args.pp} "
+            "(experts); use a multiple of both"
+        )
     base = args.base
     if base is None:
         from tiny_models.checkpoint import write_checkpoint
@@ -36,8 +80,6 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         base = str(out / "base")
         print(f"writing the embedded default base (deterministic tiny V4, preset {args.preset}) to {base}")
         write_checkpoint(args.preset, base, seed=args.seed)
-    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
-    nproc = args.nproc or args.tp * args.pp * args.ep
     opts = QualifyOptions(
         base=str(Path(base).resolve()),
         out=str(out),
@@ -58,14 +100,15 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         checks = run_qualify(opts, nproc=nproc)
-        error = None
+        error = full = None
     except Exception as exc:  # report, don't traceback: the JSON still records what ran
-        checks, error = [], f"{type(exc).__name__}: {exc}"
+        checks, full = [], f"{type(exc).__name__}: {exc}"
+        error = _typed_rank_error(exc) or full
     wall = time.perf_counter() - t0
     from impl.cli.qualify import Check
 
     if error:
-        checks.append(Check("run", False, error.splitlines()[0][:300], {"error": error}, 0.0))
+        checks.append(Check("run", False, error.splitlines()[0][:300], {"error": full}, 0.0))
     print()
     _print_table([("check", "result", "figure")] + [(c.name, _status(c.passed), c.figure) for c in checks])
     ok = bool(checks) and all(c.passed is not False for c in checks)
@@ -85,6 +128,15 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
+def _typed_rank_error(exc: Exception) -> str | None:
+    """A rank that stopped on bad input (a typed error) is reported by its message; the per-rank tracebacks stay
+    in the JSON report."""
+    root = getattr(exc, "root_cause", None)
+    if root is None or not any(name.endswith(".Dsv4Error") for name in root.exc_mro):
+        return None
+    return f"rank {root.rank}: {root.exc_type}: {root.message}"
+
+
 def cmd_verify_adapter(args: argparse.Namespace) -> int:
     from impl.cli.verify import verify_adapter
 
@@ -100,6 +152,11 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     from impl.conversion.coverage import coverage_report
 
     if args.base:
+        from impl.conversion.base_dir import inspect_base
+
+        read = inspect_base(args.base)
+        if not read.ok:
+            return _print_problems([p.message for p in read.problems])
         report = coverage_report(Path(args.base), layout=args.layout)
     else:
         from tiny_models.manifest import manifest
@@ -137,14 +194,16 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     q.add_argument("--base", help="official-layout checkpoint directory (default: write a tiny base into --out)")
     q.add_argument("--preset", default="tiny-mixed", help="tiny preset for the default base (default: tiny-mixed)")
     q.add_argument("--targets", default=",".join(table.main_names), help="comma-separated LoRA targets")
-    q.add_argument("--rank", type=int, default=8, help="LoRA rank r (default 8)")
-    q.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
-    q.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    q.add_argument("--ep", type=int, default=1, help="expert parallel size")
-    q.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    q.add_argument("--nproc", type=int, default=None, help="ranks (default tp*pp*ep; gloo on CPU, NCCL under torchrun)")
+    q.add_argument("--rank", type=_positive(int), default=8, help="LoRA rank r (default 8)")
+    q.add_argument("--alpha", type=_positive(float), default=16.0, help="LoRA alpha (default 16)")
+    q.add_argument("--tp", type=_positive(int), default=1, help="tensor parallel size")
+    q.add_argument("--ep", type=_positive(int), default=1, help="expert parallel size")
+    q.add_argument("--pp", type=_positive(int), default=1, help="pipeline parallel size")
+    q.add_argument(
+        "--nproc", type=_positive(int), default=None, help="ranks (default tp*pp*ep; gloo on CPU, NCCL under torchrun)"
+    )
     q.add_argument("--dialect", default="transformers", choices=["transformers", "official", "sglang"])
-    q.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    q.add_argument("--steps", type=_positive(int), default=3, help="optimizer steps (default 3)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument(
         "--no-oracle",
@@ -157,7 +216,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="parameter dtype (bf16: fp32 grads; logits compared by mean |Δ| <= 0.1, see impl.cli.qualify)",
     )
-    q.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is stopped")
+    q.add_argument("--timeout", type=_positive(float), default=900.0, help="seconds before every rank is stopped")
     q.add_argument("--out", default="out/qualify", help="output directory (adapter, base, report)")
     q.add_argument("--json", default=None, help="JSON report path (default OUT/qualify.json)")
     q.set_defaults(func=cmd_qualify)
@@ -183,7 +242,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--base", help="checkpoint directory")
     src.add_argument("--manifest", help="flash, pro, or a tiny preset name")
-    c.add_argument("--limit", type=int, default=40, help="table rows to print (default 40)")
+    c.add_argument("--limit", type=_positive(int, zero=True), default=40, help="table rows to print (default 40)")
     c.add_argument(
         "--layout",
         default="miles",
@@ -196,10 +255,22 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command. Bad input ends as problem lines and exit 1 (2 for usage), never a traceback: every
+    command raises typed :class:`Dsv4Error` s naming the file; an OS error names its file too."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     import impl  # noqa: F401  (CPU compat layer before any megatron import)
 
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"dsv4-lora {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Dsv4Error as exc:
+        return _print_problems([f"{exc} ({type(exc).__name__})"])
+    except OSError as exc:  # a file a command reads or writes; the OS names it
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _print_problems([f"{where}{exc.strerror or exc} ({type(exc).__name__})"])
 
 
 if __name__ == "__main__":

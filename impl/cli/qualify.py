@@ -18,7 +18,6 @@ Steps (each a :class:`Check` with a figure and pass/fail):
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -397,20 +396,22 @@ def versions() -> dict[str, str]:
 def run_qualify(opts: QualifyOptions, *, nproc: int) -> list[Check]:
     """Every check, in order (host-side checks first, then rank 0's)."""
     from impl.cli.launch import run_on_ranks
+    from impl.conversion.base_dir import inspect_base
     from impl.conversion.coverage import coverage_report
-    from impl.conversion.detect import is_deepseek_v4_config, require_deepseek_v4_config
+    from impl.conversion.detect import is_deepseek_v4_config
 
     checks: list[Check] = []
     base = Path(opts.base)
     t0 = time.perf_counter()
-    config = json.loads((base / "config.json").read_text())
-    if not is_deepseek_v4_config(config):
-        try:
-            require_deepseek_v4_config(config)
-        except Exception as exc:
-            checks.append(Check("detect", False, str(exc), {}, 0.0))
-            return checks
-    checks.append(Check("detect", True, f"architectures[0]={config['architectures'][0]}", {}, 0.0))
+    read = inspect_base(base)  # headers only: a bad base is named here, before any rank starts
+    problems = [p.message for p in read.problems]
+    if read.config is None or not is_deepseek_v4_config(read.config):
+        checks.append(Check("detect", False, problems[0], {"problems": problems}, 0.0))
+        return checks
+    checks.append(Check("detect", True, f"architectures[0]={read.config['architectures'][0]}", {}, 0.0))
+    if problems:
+        checks.append(Check("base", False, "; ".join(problems), {"problems": problems}, 0.0))
+        return checks
     cov = coverage_report(base)
     tot = cov.totals
     checks.append(

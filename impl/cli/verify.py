@@ -36,18 +36,6 @@ class VerifyResult:
         return not self.problems and all(c.passed is not False for c in self.checks)
 
 
-def _base_headers(base: Path) -> dict[str, tuple[list[int], str]]:
-    from safetensors import safe_open
-
-    out: dict[str, tuple[list[int], str]] = {}
-    for file in sorted(base.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for k in f.keys():
-                sl = f.get_slice(k)
-                out[k] = (list(sl.get_shape()), sl.get_dtype())
-    return out
-
-
 def _official_base_of(module: str, table: TargetTable = TARGET_TABLE) -> str | None:
     """The official base weight a PEFT module path (any of the three dialects) adapts, or None."""
     ref = resolve_module(module, table)
@@ -67,19 +55,25 @@ def _dialect_paths(headers: dict[str, Any], dialect: str, table: TargetTable = T
 
 
 def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = False) -> VerifyResult:
-    """Every check of :data:`ADAPTER_CHECKS` against ``base`` (plus ``forward`` when asked); never raises on a bad
-    adapter (problems are listed)."""
+    """The ``base`` check (:func:`impl.conversion.base_dir.inspect_base`: DeepSeek-V4, shards, headers), then every
+    check of :data:`ADAPTER_CHECKS` against it (plus ``forward`` when asked). Never raises on a bad adapter or base:
+    every problem is listed, naming its file or tensor. With a bad base the adapter is still checked on its own."""
     from impl.adapter.validation import AdapterDir, BaseNames, list_problems
+    from impl.conversion.base_dir import inspect_base
 
     base, adapter = Path(base), Path(adapter)
-    headers = _base_headers(base)
-    names = BaseNames(
-        shapes={name: shape for name, (shape, _) in headers.items()},
-        official_of=_official_base_of,
-        selectable=lambda dialect: _dialect_paths(headers, dialect),
-    )
-    view = AdapterDir(adapter, base_names=names, fingerprint_base=base)
-    res = VerifyResult()
+    read = inspect_base(base)
+    res = VerifyResult(problems=[p.message for p in read.problems])
+    res.checks.append(VerifyCheck("base", read.ok, _base_figure(read)))
+    names = None
+    if read.ok:
+        headers = {name: (h.shape, h.dtype) for name, h in read.headers.items()}
+        names = BaseNames(
+            shapes={name: shape for name, (shape, _) in headers.items()},
+            official_of=_official_base_of,
+            selectable=lambda dialect: _dialect_paths(headers, dialect),
+        )
+    view = AdapterDir(adapter, base_names=names, fingerprint_base=base if read.ok else None)
     for report in list_problems(view):
         res.problems += report.problems
         res.checks.append(VerifyCheck(report.name, not report.problems, report.figure))
@@ -87,8 +81,15 @@ def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = Fal
         cfg = view.config
         res.checks.append(_forward_check(base, adapter, view.modules, cfg["r"], cfg["lora_alpha"], res))
     elif forward:
-        res.checks.append(VerifyCheck("forward", None, "skipped: the adapter has problems"))
+        res.checks.append(VerifyCheck("forward", None, "skipped: the adapter or base has problems"))
     return res
+
+
+def _base_figure(read) -> str:
+    if not read.ok:
+        return f"{len(read.problems)} problem(s); adapter checked without the base"
+    files = len({h.file for h in read.headers.values()})
+    return f"DeepSeek-V4, {len(read.headers)} tensors in {files} shard(s)"
 
 
 def _load_transformers(base: Path):
