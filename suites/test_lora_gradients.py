@@ -42,7 +42,7 @@ def test_the_oracle_gradients_cover_every_target_and_are_not_trivial(oracle):
     assert not small, f"oracle gradients too small to compare: {small}"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_step0_lora_gradients_equal_transformers_peft(impl, oracle, tp):
     ckpt, want_loss, want = oracle
     case = GradCase(impl.name, ckpt, tp=tp, seq=min_seq_len(get_preset(PRESET)))
