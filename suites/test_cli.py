@@ -52,9 +52,67 @@ def test_default_qualify_passes_and_reports_every_check(dsv4, qualified):
     assert not failed, f"checks not passed: {failed}"
     assert set(report["versions"]) >= {"torch", "megatron-core", "megatron-bridge", "transformers", "peft"}
     assert (qualified / "adapter" / ".complete").exists()
-    reload = next(c for c in report["checks"] if c["name"] == "reload")
-    assert reload["detail"]["max_abs_diff"] <= 1e-5 < reload["detail"]["adapter_effect"]
-    assert reload["detail"]["max_abs_diff_unmerged"] <= 1e-5, f"PEFT unmerged (grouped o_a_proj) reload: {reload}"
+    reload = _check(report, "reload")["detail"]
+    assert reload["max_abs_diff"] <= reload["tolerance"] < reload["adapter_effect"], reload
+    assert reload["max_abs_diff_unmerged"] <= reload["tolerance"], f"PEFT unmerged (grouped o_a_proj) reload: {reload}"
+
+
+def _check(report: dict, name: str) -> dict:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+def _oracle_loss(model, batch: list) -> float:
+    """transformers' mean token cross-entropy on ``batch`` against the next token (the last position's label is the
+    first token, as qualify's train step labels it)."""
+    import torch
+
+    ids = torch.tensor(batch)
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.roll(ids, -1, dims=1).flatten()))
+
+
+def _merged_oracle(qualified: Path):
+    """Stock PEFT (not the implementation's loader) merges the exported adapter into transformers' model."""
+    from peft import PeftModel
+
+    from tiny_models.checkpoint import load_oracle
+
+    return PeftModel.from_pretrained(load_oracle(qualified / "base"), str(qualified / "adapter")).merge_and_unload()
+
+
+def test_qualify_trains_on_one_fixed_batch_and_its_loss_falls(qualified):
+    """Both reported losses are transformers' losses on the one recorded batch: the first with the base alone (the
+    adapters start at zero), the last with the exported adapter merged; the last is lower."""
+    from tiny_models.checkpoint import load_oracle
+
+    train = _check(json.loads((qualified / "qualify.json").read_text()), "train")["detail"]
+    first = _oracle_loss(load_oracle(qualified / "base"), train["batch"])
+    last = _oracle_loss(_merged_oracle(qualified), train["batch"])
+    assert abs(train["first_loss"] - first) <= 1e-5 * first, (
+        f"qualify's first loss {train['first_loss']:.6f} is not the loss of its recorded batch ({first:.6f}): "
+        "it did not train on that batch"
+    )
+    assert abs(train["last_loss"] - last) <= 1e-5 * last, (
+        f"qualify's last loss {train['last_loss']:.6f} is not the trained adapter's loss on the batch ({last:.6f})"
+    )
+    assert last < first and train["loss_fell"] is True, f"the loss did not fall: {first:.4f} -> {last:.4f}"
+
+
+def test_qualify_reload_tolerance_scales_with_the_logits_and_reports_its_margin(qualified):
+    """tolerance = 256 * eps(float32) * max|reloaded logits| (README, qualify section); the report holds the
+    observed figure and margin = tolerance / observed, and the margin leaves room for another machine's rounding."""
+    import torch
+
+    reload = _check(json.loads((qualified / "qualify.json").read_text()), "reload")["detail"]
+    with torch.no_grad():
+        scale = float(_merged_oracle(qualified)(torch.tensor(reload["eval_batch"])).logits.abs().max())
+    assert abs(reload["logit_scale"] - scale) <= 1e-5 * scale, f"logit scale {reload['logit_scale']} vs {scale}"
+    want_tol = 256 * torch.finfo(torch.float32).eps * scale
+    assert abs(reload["tolerance"] - want_tol) <= 1e-5 * want_tol, f"tolerance {reload['tolerance']} vs {want_tol}"
+    assert reload["observed"] == reload["max_abs_diff"] <= reload["tolerance"], reload
+    assert abs(reload["margin"] - reload["tolerance"] / reload["observed"]) <= 1e-9 * reload["margin"], reload
+    assert reload["margin"] >= 4, f"reload margin {reload['margin']:.1f}: one machine away from a false failure"
 
 
 def _copy_base(qualified: Path, tmp_path: Path) -> Path:
