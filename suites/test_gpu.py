@@ -31,7 +31,7 @@ LOGIT_TOL = 1e-4
 MIN_ADAPTER_EFFECT = 1e-3
 TIMEOUT_S = 600
 LAYOUTS: dict[str, dict[str, int]] = {
-    "tp2-ep4": {"tp": 2, "ep": 4},
+    "tp2-ep4": {"tp": 2, "ep": 4},  # also fits 4 ranks (DP 2): a 4-GPU node, and the CPU rehearsal (.ci/run)
     "ep8": {"ep": 8},
     "tp4-pp2": {"tp": 4, "pp": 2},
     "pp2-ep4": {"pp": 2, "ep": 4},

@@ -4,9 +4,10 @@ Under torchrun (or inside a spawned rank that calls the launcher again) this pro
 on the default process group. Each call talks to its peers through the default group's key-value store, never
 through a process group a failed peer could leave hanging. Keys live under ``dsv4-launch/<call number>/``:
 
-* ``agree<r>``: what rank r is about to run (``fn``, a digest of ``case``, the caller's ``agree`` value). Every
-  rank compares them before ``fn`` runs, so ranks that drifted apart (another test, another drawn case) all raise
-  :class:`RanksDisagree` at once instead of meeting in a stranger's collective.
+* ``agree<r>``: what rank r is about to run (``fn`` and the caller's ``agree`` value: the suites pass the test id
+  and a digest of their collection). Every rank compares them before ``fn`` runs, so ranks that drifted apart
+  (another test, another collection) all raise :class:`RanksDisagree` at once instead of meeting in a stranger's
+  collective. ``case`` is not compared: it may rightly differ (each rank's private checkpoint copy).
 * ``result<r>``: rank r's :class:`RankResult`, posted the moment ``fn`` returns or raises. It is the failure notice
   that peers still inside ``fn`` see, and the exchange every rank gathers afterwards.
 
@@ -19,7 +20,6 @@ next call joins a fresh default group. A gloo collective raises by itself at the
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 import sys
 import threading
@@ -33,7 +33,7 @@ from impl.cli.rank_report import TIMEOUT, RankResult
 from impl.cli.spawn import collective_timeout_s, set_collective_timeout_s
 from impl.errors import Dsv4Error
 
-__all__ = ["InProcessCall", "RanksDisagree", "run_in_process"]
+__all__ = ["InProcessCall", "RanksDisagree", "gather_in_world", "run_in_process"]
 
 _POLL_S = 0.2
 _RESULTS_MARGIN_S = 30.0  # a rank waits this long past the run's timeout for its peers' results
@@ -58,7 +58,8 @@ class InProcessCall:
     agree: object = None  # a value every rank must pass identically (the suites: the test id)
 
 
-def _join(call: InProcessCall) -> None:
+def _join(call: InProcessCall) -> float | None:
+    """Join (or create) the default group with this call's collective timeout; the timeout it had before."""
     import torch
     import torch.distributed as dist
 
@@ -69,9 +70,10 @@ def _join(call: InProcessCall) -> None:
                 f"this call asks for the {call.backend} backend, but the default process group of this rank is "
                 f"{have}: a GPU run must not fall back to gloo (or a CPU run to NCCL) within one launched world"
             )
-        if collective_timeout_s() is None:
-            set_collective_timeout_s(call.timeout_s / 2)
-        return
+        # The group outlives calls (one per test under torchrun): each call's collectives get its own timeout.
+        before = collective_timeout_s()
+        _set_collective_timeouts(call.timeout_s / 2)
+        return before
     if call.backend == "nccl":
         torch.cuda.set_device(call.local_rank)
     dist.init_process_group(
@@ -82,6 +84,16 @@ def _join(call: InProcessCall) -> None:
         timeout=timedelta(seconds=call.timeout_s / 2),
     )
     set_collective_timeout_s(call.timeout_s / 2)
+    return None
+
+
+def _set_collective_timeouts(seconds: float) -> None:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # no public setter for a live group
+
+    if dist.is_initialized():
+        _set_pg_timeout(timedelta(seconds=seconds))
+    set_collective_timeout_s(seconds)
 
 
 def _store(number: int) -> Any:
@@ -91,11 +103,7 @@ def _store(number: int) -> Any:
     return dist.PrefixStore(f"dsv4-launch/{number}/", _get_default_store())
 
 
-def _digest(value: bytes) -> str:
-    return hashlib.sha256(value).hexdigest()[:16]
-
-
-def _agree(store: Any, call: InProcessCall, what: tuple[str, str, str]) -> None:
+def _agree(store: Any, call: InProcessCall, what: tuple[str, str]) -> None:
     """Post what this rank is about to run; raise :class:`RanksDisagree` unless every rank posts the same."""
     store.set(f"agree{call.rank}", pickle.dumps(what))
     keys = [f"agree{r}" for r in range(call.world_size)]
@@ -104,13 +112,13 @@ def _agree(store: Any, call: InProcessCall, what: tuple[str, str, str]) -> None:
     except Exception as exc:  # the store's timeout error: name who never arrived
         missing = [r for r in range(call.world_size) if not store.check([f"agree{r}"])]
         raise RanksDisagree(
-            f"rank {call.rank} ran {what[0]} ({what[2]}); ranks {missing} did not reach the same call within "
+            f"rank {call.rank} ran {what[0]} ({what[1]}); ranks {missing} did not reach the same call within "
             f"{call.startup_timeout_s:g}s: the ranks collected or ordered their work differently ({exc})"
         ) from None
     posted = {r: pickle.loads(store.get(f"agree{r}")) for r in range(call.world_size)}
     differ = {r: w for r, w in posted.items() if w != what}
     if differ:
-        lines = [f"rank {r}: {w[0]} case {w[1]} ({w[2]})" for r, w in sorted(posted.items())]
+        lines = [f"rank {r}: {w[0]} ({w[1]})" for r, w in sorted(posted.items())]
         raise RanksDisagree("the ranks are not running the same call:\n  " + "\n  ".join(lines))
 
 
@@ -164,14 +172,14 @@ def _gather(store: Any, call: InProcessCall, started: float) -> list[RankResult]
 
 def run_in_process(fn: Callable[..., Any], case: bytes, call: InProcessCall) -> list[RankResult]:
     """``fn(rank, world_size, pickle.loads(case))`` on this rank; every rank's result, in rank order."""
-    _join(call)
+    before = _join(call)
     _CALLS[0] += 1
     store = _store(_CALLS[0])
     started = time.monotonic()
     watcher: _Watcher | None = None
     interrupted: BaseException | None = None
     try:
-        _agree(store, call, (f"{fn.__module__}.{fn.__qualname__}", _digest(case), repr(call.agree)))
+        _agree(store, call, (f"{fn.__module__}.{fn.__qualname__}", repr(call.agree)))
         watcher = _Watcher(store, call)
         watcher.start()
         result = RankResult(rank=call.rank, ok=True, payload=fn(call.rank, call.world_size, pickle.loads(case)))
@@ -185,6 +193,30 @@ def run_in_process(fn: Callable[..., Any], case: bytes, call: InProcessCall) -> 
     except Exception as exc:  # an unpicklable payload is fn's bug: report it as this rank's failure
         store.set(f"result{call.rank}", pickle.dumps(RankResult.from_exception(call.rank, exc)))
     results = _gather(store, call, started)
+    if before is not None:  # the caller's group: give it back its own timeout
+        _set_collective_timeouts(before)
     if interrupted is not None:  # this process is the pytest session too: Ctrl-C must still stop it
         raise interrupted
     return results
+
+
+def gather_in_world(tag: str, value: object, *, rank: int, world_size: int, timeout_s: float) -> list[object] | None:
+    """Every rank's ``value`` for ``tag`` (``None`` for a rank that did not post it within ``timeout_s``), through
+    the default group's store; ``None`` when this process has no default group. Each tag is used once."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = dist.PrefixStore(f"dsv4-gather/{tag}/", _get_default_store())
+    store.set(f"v{rank}", pickle.dumps(value))
+    deadline = time.monotonic() + timeout_s
+    values: list[object] = []
+    for r in range(world_size):
+        try:
+            store.wait([f"v{r}"], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            values.append(pickle.loads(store.get(f"v{r}")))
+        except Exception:  # the store's timeout error
+            values.append(None)
+    return values

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from impl.cli.in_process import InProcessCall, run_in_process
+from impl.cli.in_process import InProcessCall, gather_in_world, run_in_process
 from impl.cli.rank_report import (
     RAISED,
     SIGNALLED,
@@ -51,6 +51,7 @@ __all__ = [  # the outcome names and report helpers are re-exported for the suit
     "RankResult",
     "collective_timeout_s",
     "format_report",
+    "gather_in_world",
     "is_collective_error",
     "launch_ranks",
     "launched_world",
