@@ -1,7 +1,8 @@
 """Suite-wide configuration: markers, options, hypothesis profiles, the ``impl`` fixture.
 
 Markers: every test carries one of ``cpu`` / ``gpu`` / ``gpu32`` / ``bench``; an unmarked test is a
-usage error. ``gpu`` and ``gpu32`` tests are skipped (with the reason) where CUDA is absent.
+usage error. ``gpu`` and ``gpu32`` tests are skipped (with the reason) where CUDA is absent, except in the CPU
+rehearsal (``--rehearse`` under torchrun); their ranks are NCCL ranks, never gloo ones (``fixtures/rank_session.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, settings
 
 from fixtures.impl_loader import load_impl, resolve_impl_name
 
-pytest_plugins = ["fixtures.checkpoints"]
+pytest_plugins = ["fixtures.checkpoints", "fixtures.rank_session"]
 
 REQUIRED_MARKERS = ("cpu", "gpu", "gpu32", "bench")
 MARKERS = {
@@ -44,7 +45,12 @@ settings.register_profile(
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("dsv4", "DeepSeek-V4 LoRA conformance")
-    group.addoption("--nproc", type=int, default=None, help="ranks for distributed tests (default 2 on CPU)")
+    group.addoption(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks for distributed tests (default: WORLD_SIZE under torchrun, else $DSV4_NPROC, else 2)",
+    )
     group.addoption("--impl", default=None, help="implementation module under test (default: impl, or $DSV4_IMPL)")
     group.addoption("--max-examples", type=int, default=None, help="override the profile's max_examples")
     group.addoption(
@@ -96,7 +102,16 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def nproc_of(config: pytest.Config) -> int:
-    value = config.getoption("nproc")
+    """--nproc, else torchrun's WORLD_SIZE (which --nproc must then equal), else $DSV4_NPROC, else 2."""
+    from fixtures.multirank import launched_world
+
+    value, world = config.getoption("nproc"), launched_world()
+    if world is not None:
+        if value is not None and value != world.world_size:
+            raise pytest.UsageError(
+                f"--nproc {value} under torchrun with WORLD_SIZE={world.world_size}: they must agree"
+            )
+        return world.world_size
     if value is not None:
         return value
     return int(os.environ.get("DSV4_NPROC", "2"))
@@ -118,8 +133,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "tests without one of the markers " + ", ".join(REQUIRED_MARKERS) + ":\n  " + "\n  ".join(unmarked)
         )
     _apply_xfails_file(config, items)
-    if not _cuda_available():
-        skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this host")
+    if not _cuda_available() and not config.getoption("rehearse"):
+        skip = pytest.mark.skip(
+            reason="needs CUDA: torch.cuda.is_available() is False on this host "
+            "(rehearse on the CPU: torchrun --nproc-per-node 4 -m pytest -m gpu --rehearse)"
+        )
         for item in items:
             if item.get_closest_marker("gpu") or item.get_closest_marker("gpu32"):
                 item.add_marker(skip)

@@ -4,8 +4,11 @@ Run as ranks (every pytest process is one rank; ``run_ranks`` then runs in-proce
 
     torchrun --nproc-per-node 8 -m pytest -p no:cacheprovider -m gpu suites/test_gpu.py --nproc 8 -rs
 
-(``DSV4_RUN=gpu NNODES=1 recipes/launch_torchrun.sh`` does the same.) Layouts that do not factor ``--nproc``
-are skipped with the reason. Without CUDA, conftest skips every test here; the module still imports on CPU.
+(``DSV4_RUN=gpu NNODES=1 recipes/launch_torchrun.sh`` does the same; plain ``pytest -m gpu --nproc 8`` spawns 8
+NCCL ranks instead, never gloo ones.) Layouts that do not factor ``--nproc`` are skipped with the reason. Without
+CUDA, conftest skips every test here, except in the CPU rehearsal (gloo, CPU; ``.ci/run``)::
+
+    torchrun --standalone --nproc-per-node 4 -m pytest -m gpu --rehearse suites/test_gpu*.py
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ LOGIT_TOL = 1e-4
 MIN_ADAPTER_EFFECT = 1e-3
 TIMEOUT_S = 600
 LAYOUTS: dict[str, dict[str, int]] = {
-    "tp2-ep4": {"tp": 2, "ep": 4},
+    "tp2-ep4": {"tp": 2, "ep": 4},  # also fits 4 ranks (DP 2): a 4-GPU node, and the CPU rehearsal (.ci/run)
     "ep8": {"ep": 8},
     "tp4-pp2": {"tp": 4, "pp": 2},
     "pp2-ep4": {"pp": 2, "ep": 4},

@@ -7,10 +7,11 @@ expectations).
 * Plain process: ``nproc`` ranks are spawned (``impl.cli.spawn``): gloo (the command line: NCCL where CUDA is
   present) over a file store (no ports), a post-init barrier, a hard timeout with stack dumps, SIGTERM then SIGKILL to each rank's process group, every rank joined.
 * Inside a launched world (``RANK``/``WORLD_SIZE`` set: torchrun, or a spawned rank calling this again): this
-  process is one rank. ``fn`` runs here on the default process group (initialised with NCCL when CUDA is present,
-  else gloo, unless someone did it before); the results travel over a dedicated gloo group whose timeout outlasts
-  the default group's, so a rank whose function raised does not meet its peers inside their collective: they time
-  out there, report, and every rank gets every result. There are no stack dumps or kills on that path.
+  process is one rank (``impl.cli.in_process``). ``fn`` runs here on the default process group (created with the
+  call's backend, which must match an existing one); the ranks first agree on what they run, and the results
+  travel through the group's store, so a rank whose function raised does not meet its peers inside their
+  collective: every peer prints its failure at once, its collective raises (gloo: at the group's timeout; NCCL:
+  aborted after the grace period), and every rank gets every result. There are no stack dumps or kills there.
 
 Whatever ``fn`` raises (``BaseException``: also ``pytest.skip``/``pytest.fail``, ``SystemExit``) becomes that
 rank's :class:`RankResult` instead of leaving its peers waiting.
@@ -22,9 +23,9 @@ import os
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
+from impl.cli.in_process import InProcessCall, gather_in_world, run_in_process
 from impl.cli.rank_report import (
     RAISED,
     SIGNALLED,
@@ -35,7 +36,7 @@ from impl.cli.rank_report import (
     qualified_name,
     root_cause,
 )
-from impl.cli.spawn import Preload, collective_timeout_s, set_collective_timeout_s, spawn_ranks
+from impl.cli.spawn import Preload, collective_timeout_s, spawn_ranks
 from impl.errors import Dsv4Error
 
 __all__ = [  # the outcome names and report helpers are re-exported for the suites' runner (fixtures/multirank.py)
@@ -50,6 +51,7 @@ __all__ = [  # the outcome names and report helpers are re-exported for the suit
     "RankResult",
     "collective_timeout_s",
     "format_report",
+    "gather_in_world",
     "is_collective_error",
     "launch_ranks",
     "launched_world",
@@ -60,7 +62,6 @@ __all__ = [  # the outcome names and report helpers are re-exported for the suit
 
 GRACE_S = 2.0  # after the first failure: time for peers to report their own error before they are stopped
 STARTUP_TIMEOUT_S = float(os.environ.get("DSV4_MULTIRANK_STARTUP_S", "300"))  # imports + unpickling, per call
-_RESULTS_MARGIN_S = 30.0  # the results group outlasts the default group's timeout by this much
 
 
 class LaunchError(Dsv4Error, RuntimeError):
@@ -88,62 +89,6 @@ def launched_world(environ: Mapping[str, str] | None = None) -> LaunchedWorld | 
     return LaunchedWorld(rank, world_size, int(environ.get("LOCAL_RANK", rank)))
 
 
-# ------------------------------------------------------------------------------------------- in-process side
-
-_RESULTS_GROUP: tuple[Any, Any] | None = None  # (default group it was made for, gloo group for the results)
-
-
-def _join_launched_world(world: LaunchedWorld, timeout_s: float) -> None:
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # by the caller: assume the collective timeout this call would have chosen
-        if collective_timeout_s() is None:
-            set_collective_timeout_s(timeout_s / 2)
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(world.local_rank)
-    dist.init_process_group(
-        backend,
-        init_method="env://",
-        rank=world.rank,
-        world_size=world.world_size,
-        timeout=timedelta(seconds=timeout_s / 2),
-    )
-    set_collective_timeout_s(timeout_s / 2)
-
-
-def _results_group(timeout_s: float) -> Any:
-    """A gloo group only for the result exchange (created once per default group, by every rank in step)."""
-    global _RESULTS_GROUP
-    import torch.distributed as dist
-
-    world_group = dist.group.WORLD
-    if _RESULTS_GROUP is None or _RESULTS_GROUP[0] is not world_group:
-        outlast = max(timeout_s, collective_timeout_s() or timeout_s) + _RESULTS_MARGIN_S
-        _RESULTS_GROUP = (world_group, dist.new_group(backend="gloo", timeout=timedelta(seconds=outlast)))
-    return _RESULTS_GROUP[1]
-
-
-def _run_in_process(fn: Callable[..., Any], case: bytes, *, world: LaunchedWorld, timeout_s: float) -> list[Any]:
-    import torch.distributed as dist
-
-    _join_launched_world(world, timeout_s)
-    group = _results_group(timeout_s)
-    interrupted: BaseException | None = None
-    try:
-        result = RankResult(rank=world.rank, ok=True, payload=fn(world.rank, world.world_size, pickle.loads(case)))
-    except BaseException as exc:  # report it to the peers whatever its type; see KeyboardInterrupt below
-        result = RankResult.from_exception(world.rank, exc)
-        interrupted = exc if isinstance(exc, KeyboardInterrupt) else None
-    gathered: list[Any] = [None] * world.world_size
-    dist.all_gather_object(gathered, result, group=group)
-    if interrupted is not None:  # this process is the pytest session too: Ctrl-C must still stop it
-        raise interrupted
-    return gathered
-
-
 # -------------------------------------------------------------------------------------------------- entry
 
 
@@ -158,6 +103,7 @@ def launch_ranks(
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
     grace_s: float = GRACE_S,
     backend: str = "gloo",
+    agree: object = None,
 ) -> list[RankResult]:
     """``fn(rank, world_size, case)`` on ``nproc`` ranks; every rank's :class:`RankResult`, in rank order.
 
@@ -165,8 +111,10 @@ def launch_ranks(
     the run from the moment every rank has finished starting up; collectives time out after ``timeout_s / 2``.
     ``env`` adds environment variables in every spawned rank (set before torch is imported). ``preload`` names
     modules to import, or module-level callables to call, in each rank before the clock starts (megatron's import
-    takes tens of seconds on a loaded host). ``backend`` is the spawned ranks' process group backend (``"nccl"``:
-    rank r drives GPU r). Never raises for a rank's failure: that is in its result.
+    takes tens of seconds on a loaded host). ``backend`` is the process group backend (``"nccl"``: rank r drives GPU
+    ``LOCAL_RANK``); in a launched world an existing default group must have it. ``agree``: a value every rank of a
+    launched world must pass identically (checked with ``fn`` and ``case`` before ``fn`` runs). Never raises for a
+    rank's failure: that is in its result.
     """
     module, qualname = fn.__module__, fn.__qualname__
     if "<locals>" in qualname or "<lambda>" in qualname:
@@ -182,7 +130,17 @@ def launch_ranks(
                 f"{nproc} ranks asked inside a launched world of WORLD_SIZE={world.world_size}: "
                 f"ask for {world.world_size} (or launch {nproc} ranks)"
             )
-        return _run_in_process(fn, case_bytes, world=world, timeout_s=timeout_s)
+        call = InProcessCall(
+            world.rank,
+            world.world_size,
+            world.local_rank,
+            backend=backend,
+            timeout_s=timeout_s,
+            startup_timeout_s=startup_timeout_s,
+            grace_s=grace_s,
+            agree=agree,
+        )
+        return run_in_process(fn, case_bytes, call)
     rank_env = dict(env or {})
     if "OMP_NUM_THREADS" not in os.environ:  # nproc ranks share the cores: don't oversubscribe them
         rank_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

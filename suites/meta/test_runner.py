@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from fixtures.faults import InjectedFault, fail_on_rank, kill_self_on_rank
 from fixtures.multirank import (
+    CPU_WORLD,
     AllRanksRaise,
     LaunchedWorld,
     MultiRankFailure,
@@ -27,6 +28,7 @@ from fixtures.multirank import (
     format_report,
     judge,
     launched_world,
+    rank_world,
     run_ranks,
 )
 
@@ -119,6 +121,16 @@ def _rank_nested_gives_up(rank: int, world_size: int, case: GiveUpCase) -> str:
         run_ranks(_rank_gives_up_while_peer_waits, case, nproc=world_size, timeout_s=case.timeout_s)
     except MultiRankFailure as exc:
         return str(exc)
+    return "the in-process run_ranks did not fail"
+
+
+def _rank_nested_in_its_own_test(rank: int, world_size: int, case: Case) -> str:
+    # Under torchrun each rank's pytest passes its test id: here rank r claims to run test r (drifted collections).
+    with rank_world(CPU_WORLD, label=f"suites/test_x.py::test_{rank}"):
+        try:
+            run_ranks(_rank_allreduce, case, nproc=world_size, timeout_s=10)
+        except MultiRankFailure as exc:
+            return str(exc)
     return "the in-process run_ranks did not fail"
 
 
@@ -272,6 +284,19 @@ def test_pytest_skip_or_fail_inside_an_in_process_rank_is_reported_on_every_rank
         assert lines[2].startswith("rank 0: ") and lines[2].endswith("(collective error, likely collateral)"), (
             f"rank 0 should report its timed-out barrier; report on rank {rank}:\n{report}"
         )
+
+
+def test_in_process_ranks_running_different_tests_all_raise_before_the_body_runs():
+    """Ranks whose collections drifted apart meet in the same run_ranks call with different test ids: every rank
+    raises RanksDisagree naming each rank's test before any rank reaches the body's all-reduce."""
+    reports = [r.payload for r in run_ranks(_rank_nested_in_its_own_test, Case(), nproc=2, timeout_s=20)]
+    for rank, report in enumerate(reports):
+        assert report.startswith("2/2 ranks failed in _rank_allreduce"), f"report on rank {rank}:\n{report}"
+        for r in (0, 1):
+            assert f"rank {r}: RanksDisagree: the ranks are not running the same call" in report or (
+                f"root cause: rank {r} RanksDisagree: the ranks are not running the same call" in report
+            ), f"rank {r} did not raise RanksDisagree; report on rank {rank}:\n{report}"
+            assert f"test_x.py::test_{r}" in report, f"the report does not name rank {r}'s test:\n{report}"
 
 
 # ------------------------------------------------------------------------------ pure logic (no processes)
