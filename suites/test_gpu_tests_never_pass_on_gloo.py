@@ -7,7 +7,8 @@ CPU tensor, which passes on gloo) with the suite's conftest loaded as a plugin:
 * on a host that claims CUDA (``torch.cuda`` patched in the pytest process only; its spawned ranks see the real,
   GPU-less torch) the runner spawns NCCL ranks: they cannot start here, so the probe fails, where a gloo runner
   would have passed it;
-* ``--rehearse`` outside torchrun is a usage error naming the torchrun command (the rehearsal never spawns).
+* ``--rehearse`` outside torchrun is a usage error naming the torchrun command (the rehearsal never spawns);
+* inside a launched world whose default group is gloo, a GPU-world call raises instead of running on that group.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.multirank import GPU_WORLD, rank_world, run_ranks
 from fixtures.subproc import REPO_ROOT, pytest_outcomes, run
 
 pytestmark = pytest.mark.cpu
@@ -84,3 +86,30 @@ def test_rehearse_outside_torchrun_is_a_usage_error_naming_the_command(tmp_path)
     code, output = _pytest(tmp_path, "--rehearse")
     assert code == 4, f"exit {code}, expected pytest's usage error (4):\n{output}"
     assert "torchrun --nproc-per-node" in output and "--rehearse" in output, output
+
+
+def _rank_sum(rank: int, world_size: int, case: None) -> float:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def _rank_gpu_call_on_a_gloo_world(rank: int, world_size: int, case: None) -> str:
+    # A spawned rank is a launched world whose default group is gloo, as a torchrun session would be after a CPU test.
+    with rank_world(GPU_WORLD, label="gpu-call"):
+        try:
+            results = run_ranks(_rank_sum, None, nproc=world_size, timeout_s=20)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return f"ran on the gloo group: {[r.payload for r in results]}"
+
+
+def test_a_gpu_call_in_a_launched_world_never_runs_on_its_gloo_group():
+    for r in run_ranks(_rank_gpu_call_on_a_gloo_world, None, nproc=2, timeout_s=40):
+        assert r.payload.startswith("BackendMismatch: this call asks for the nccl backend"), (
+            f"rank {r.rank}: {r.payload}"
+        )
+        assert "gloo" in r.payload, f"rank {r.rank}: {r.payload}"

@@ -33,7 +33,7 @@ from impl.cli.rank_report import TIMEOUT, RankResult
 from impl.cli.spawn import collective_timeout_s, set_collective_timeout_s
 from impl.errors import Dsv4Error
 
-__all__ = ["InProcessCall", "RanksDisagree", "gather_in_world", "run_in_process"]
+__all__ = ["BackendMismatch", "InProcessCall", "RanksDisagree", "gather_in_world", "run_in_process"]
 
 _POLL_S = 0.2
 _RESULTS_MARGIN_S = 30.0  # a rank waits this long past the run's timeout for its peers' results
@@ -42,6 +42,10 @@ _CALLS = [0]  # calls made in this process; every rank of a world makes the same
 
 class RanksDisagree(Dsv4Error, RuntimeError):
     """The ranks of a launched world are not about to run the same thing (function, case or caller's label)."""
+
+
+class BackendMismatch(Dsv4Error, RuntimeError):
+    """The call asks for one backend (NCCL for a GPU run) but this rank's default process group has another."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ def _join(call: InProcessCall) -> float | None:
     if dist.is_initialized():  # by the caller or an earlier call: it must be the backend this call asks for
         have = dist.get_backend()
         if have != call.backend:
-            raise Dsv4Error(
+            raise BackendMismatch(
                 f"this call asks for the {call.backend} backend, but the default process group of this rank is "
                 f"{have}: a GPU run must not fall back to gloo (or a CPU run to NCCL) within one launched world"
             )
