@@ -47,6 +47,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "ConsumerRule",
         "ConsumerStatus",
         "consumer_rule",
+        "consumer_verdict",
         "unapplied_targets",
     ),
     "impl.adapter.dialects": (
@@ -58,6 +59,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "impl.errors": (
         "CheckpointMappingError",
+        "ConsumerSupportError",
         "CorruptCheckpointError",
         "Dsv4Error",
         "ExportError",

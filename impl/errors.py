@@ -15,6 +15,7 @@ __all__ = [
     "GroupedLoRAError",
     "ExportError",
     "PipelineLayoutError",
+    "ConsumerSupportError",
 ]
 
 
@@ -63,3 +64,8 @@ class ExportError(Dsv4Error, RuntimeError):
 
 class PipelineLayoutError(Dsv4Error, ValueError):
     """A pipeline layout is impossible for this model (named stage and reason)."""
+
+
+class ConsumerSupportError(ExportError):
+    """A serving engine (consumer, version) would not apply, would skip or would misroute a target of the adapter
+    (each named with the engine's reason), or impl holds no rules for that consumer or version."""
