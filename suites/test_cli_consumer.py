@@ -20,7 +20,7 @@ from fixtures.subproc import run
 from tiny_models.checkpoint import write_checkpoint
 from tiny_models.presets import get_preset
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cli")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
 
 R, ALPHA = 4, 8.0
 ALL = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
