@@ -124,3 +124,10 @@ def test_export_allow_unapplied_records_the_targets_and_verify_still_lists_them(
     assert {(u["engine"], u["target"]) for u in record["unapplied"]} == {("vllm/nvidia", "wo_a"), ("vllm/xpu", "wo_a")}
     checked = dsv4("verify-adapter", "--base", base, "--adapter", out, "--consumer", "vllm")
     assert checked.returncode == 1 and len(_problems(checked)) == 2, checked.stdout[-3000:]
+
+
+def test_export_has_help_naming_the_consumers(dsv4):
+    result = dsv4("export", "--help", timeout=120)
+    assert result.returncode == 0 and "usage: dsv4-lora export" in result.stdout, result.stderr[-2000:]
+    for consumer in ("peft", "vllm", "sglang"):
+        assert consumer in result.stdout, result.stdout
