@@ -78,7 +78,10 @@ class BuildOptions:
     allow_unapplied: bool = False  # export anyway; the targets it would not apply go into metadata dsv4_consumer
 
 
-#: safetensors metadata key of an export for a consumer: JSON of impl.adapter.consumers.ConsumerVerdict.record()
+#: safetensors metadata key of an export for a consumer: JSON of impl.adapter.consumers.ConsumerVerdict.record().
+#: Not a field of adapter_config.json: PEFT, vLLM and SGLang parse that file into their own schemas and drop
+#: unknown fields (PEFT warning on each load), while the header travels with the weights, untouched, under the
+#: staged-header check and the marker's hash.
 CONSUMER_METADATA_KEY = "dsv4_consumer"
 
 #: One adapted module: its parsed name and (native name, tensor) for each half "A"/"B".
