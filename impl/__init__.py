@@ -47,6 +47,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "ConsumerRule",
         "ConsumerStatus",
         "consumer_rule",
+        "consumer_verdict",
         "unapplied_targets",
     ),
     "impl.adapter.dialects": (
@@ -60,6 +61,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.errors": (
         "CheckpointMappingError",
         "ConfigFileError",
+        "ConsumerSupportError",
         "CorruptCheckpointError",
         "Dsv4Error",
         "ExportError",

@@ -20,6 +20,7 @@ __all__ = [
     "ShardIndexError",
     "OutputPathError",
     "UsageError",
+    "ConsumerSupportError",
 ]
 
 
@@ -90,3 +91,8 @@ class OutputPathError(Dsv4Error, OSError):
 
 class UsageError(Dsv4Error, ValueError):
     """Command-line arguments that cannot work (the command exits 2, like a parse error)."""
+
+
+class ConsumerSupportError(ExportError):
+    """A serving engine (consumer, version) would not apply, would skip or would misroute a target of the adapter
+    (each named with the engine's reason), or impl holds no rules for that consumer or version."""

@@ -186,3 +186,44 @@ def test_the_probes_import_nothing_from_this_project():
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             leaked = [n for n in names if n.split(".")[0] in ours]
             assert not leaked, f"{path.name} imports {leaked}: the probes must run on the consumer's code only"
+
+
+def test_exporting_for_an_engine_refuses_exactly_the_targets_it_would_not_apply(impl, probed, exported):
+    """The fail-closed export follows the engines: for every (engine, dialect, target) the engine judged, an export
+    of that one target for that engine succeeds when the engine applies it (and accepts the adapter), and raises
+    ConsumerSupportError naming the target otherwise."""
+    from fixtures.adapter_states import attention_shapes, make_native_adapter
+    from tiny_models.presets import get_preset
+
+    cfg = get_preset("tiny-mixed")
+    shapes = attention_shapes(
+        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    )
+    wrong = []
+    found = [c for name in sorted(probed) for c in probed[name][1]]
+    whole = {(c.consumer, c.dialect): c.status for c in found if c.target == WHOLE_ROW}
+    for cell in (c for c in found if c.target in TARGETS):
+        state = impl.AdapterState(make_native_adapter({cell.target: shapes[cell.target]}, 2, 4), r=4, alpha=8.0)
+        works = cell.status == "applied" and whole[cell.consumer, cell.dialect] == "loaded"
+        try:
+            impl.publish_in_memory(state, dialect=cell.dialect, consumer=cell.consumer, consumer_version=cell.version)
+            refused = None
+        except impl.ConsumerSupportError as exc:
+            refused = str(exc)
+        named = refused is None or any(f": {t}:" in refused for t in (cell.target, WHOLE_ROW))
+        if works != (refused is None) or not named:
+            wrong.append(f"{cell.consumer} {cell.dialect} {cell.target}: engine says {cell.status}, export {refused}")
+    assert found and not wrong, "\n".join(wrong)
+
+
+def test_official_names_are_vllms_own_module_paths_so_no_vllm_dialect_is_needed(probed, exported):
+    """vLLM's hf_to_vllm_mapper only prefixes ``model.``: every official decoder-layer module lands on the vLLM module
+    of the same path (or the packed module beside it), so a separate vllm dialect would name the same modules."""
+    report, _, _ = _answers(probed, "vllm")
+    cases, _ = exported
+    path = next(c.path for c in cases if (c.dialect, c.target) == ("official", WHOLE_ROW))
+    modules = report["variants"]["nvidia"]["adapters"][str(path)]["modules"]
+    landed = {m: o.get("consumer_module") for m, o in modules.items() if not m.startswith("mtp.")}
+    assert landed, "the probe judged no decoder-layer module"
+    off = {m: to for m, to in landed.items() if to is None or to.rsplit(".", 1)[0] != "model." + m.rsplit(".", 1)[0]}
+    assert not off, f"vLLM's names differ from official beyond the model. prefix (a vllm dialect is needed): {off}"

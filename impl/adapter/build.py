@@ -73,7 +73,16 @@ class BuildOptions:
     base_fingerprint: Mapping[str, Any] | None = None
     base_shapes: Mapping[str, Sequence[int]] | None = None
     mtp: str = "reject"  # "reject" or "exclude" MTP adapters a dialect cannot express
+    consumer: str | None = None  # a serving engine whose rules (impl.adapter.consumers) every target must pass
+    consumer_version: str | None = None  # default: the one version impl holds rules for
+    allow_unapplied: bool = False  # export anyway; the targets it would not apply go into metadata dsv4_consumer
 
+
+#: safetensors metadata key of an export for a consumer: JSON of impl.adapter.consumers.ConsumerVerdict.record().
+#: Not a field of adapter_config.json: PEFT, vLLM and SGLang parse that file into their own schemas and drop
+#: unknown fields (PEFT warning on each load), while the header travels with the weights, untouched, under the
+#: staged-header check and the marker's hash.
+CONSUMER_METADATA_KEY = "dsv4_consumer"
 
 #: One adapted module: its parsed name and (native name, tensor) for each half "A"/"B".
 _Module = tuple[NativeAdapterName, dict[str, tuple[str, torch.Tensor]]]
@@ -244,7 +253,22 @@ def build_adapter(
         built.metadata[METADATA_KEY] = json.dumps(opts.base_fingerprint, sort_keys=True)
     if excluded:
         built.metadata["dsv4_excluded"] = json.dumps({"tensors": excluded, "reason": d.mtp_reason})
+    if opts.consumer is not None:
+        built.metadata[CONSUMER_METADATA_KEY] = _consumer_record(built.modules, opts, d)
     return built
+
+
+def _consumer_record(module_names: list[str], opts: BuildOptions, d: Dialect) -> str:
+    """Fail closed (:class:`impl.errors.ConsumerSupportError`) when the consumer would not apply an exported
+    target, unless the caller opted in; the metadata value recording what it would not apply."""
+    from impl.adapter.consumers import MTP, consumer_verdict, require_applied
+
+    hits = [d.parse_module(m) for m in module_names]
+    targets = {MTP if layer is None else row.official for layer, row in hits}
+    verdict = consumer_verdict(opts.consumer, d.name, targets, opts.consumer_version)
+    if not opts.allow_unapplied:
+        require_applied(verdict)
+    return json.dumps(verdict.record(), sort_keys=True)
 
 
 def publish_in_memory(
@@ -255,12 +279,26 @@ def publish_in_memory(
     base_fingerprint: Mapping[str, Any] | None = None,
     base_shapes: Mapping[str, Sequence[int]] | None = None,
     mtp: str = "reject",
+    consumer: str | None = None,
+    consumer_version: str | None = None,
+    allow_unapplied: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """PEFT-named adapter tensors and ``adapter_config.json`` dict, for trainer -> rollout weight sync.
 
     Exactly what :func:`impl.adapter.export.export_adapter` writes (same validation); raises an
-    :class:`ExportError` subclass naming the offending tensor on empty/partial/mis-shaped/non-finite input."""
-    opts = BuildOptions(dialect, base_model_name_or_path, base_fingerprint, base_shapes, mtp)
+    :class:`ExportError` subclass naming the offending tensor on empty/partial/mis-shaped/non-finite input, and
+    a :class:`impl.errors.ConsumerSupportError` when ``consumer`` would not apply a target (``allow_unapplied``
+    exports anyway and records them in ``dsv4_consumer``)."""
+    opts = BuildOptions(
+        dialect,
+        base_model_name_or_path,
+        base_fingerprint,
+        base_shapes,
+        mtp,
+        consumer,
+        consumer_version,
+        allow_unapplied,
+    )
     built = build_adapter(adapter_state, opts)
     return built.tensors, built.config
 

@@ -1,10 +1,13 @@
-"""What impl believes each serving engine does with an exported adapter, per engine version and dialect.
+"""What impl believes each consumer (vLLM, SGLang, PEFT on transformers) does with an exported adapter, per
+consumer version and dialect; and the fail-closed judgement an export for a consumer passes
+(:func:`consumer_verdict`, :func:`require_applied`, used by the exporter and ``verify-adapter --consumer``).
 
 Checked against the installed packages by ``suites/test_consumers.py``: probes run vLLM's and SGLang's own
 loading, name-mapping, packing, target-normalization and forward code on adapters this package exported
 (``fixtures/consumers``), and the suite fails for every cell where the engine's answer differs from a row here.
 So when an engine changes, this table must change with it. The rows name the engine's file and function
-that decides. No megatron imports: exporter ranks may read this table.
+that decides. No megatron imports: exporter ranks may read this table. PEFT's probe runs on the main interpreter
+(PEFT and transformers are this project's dependencies), so its version is the one installed here.
 
 Targets are the official leaves of the main rows of :data:`impl.lora.vocabulary.TARGET_TABLE` (one adapter per target), plus
 :data:`MTP` (the five targets on the MTP layer, exported by the ``official`` dialect only) and
@@ -13,9 +16,11 @@ Targets are the official leaves of the main rows of :data:`impl.lora.vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from impl.errors import ConsumerSupportError
 from impl.lora.vocabulary import TARGET_TABLE
 
 
@@ -116,12 +121,41 @@ def _sglang(version: str) -> list[ConsumerRule]:
     return rows
 
 
+def _peft(version: str) -> list[ConsumerRule]:
+    """PEFT on transformers' DeepseekV4ForCausalLM: target_modules matched against transformers' module paths."""
+    loader = "peft/peft_model.py:PeftModel.from_pretrained"
+    merged = (
+        "transformers' self_attn.{leaf} is a LoRA-wrapped nn.Linear; PEFT's merge_and_unload folds it into the weight "
+        "the forward uses"
+    )
+    grouped = (
+        f"{merged.format(leaf='o_a_proj')} (unmerged, stock PEFT's dense LoRA forward raises on the grouped layer: "
+        "merge, or impl.load_peft_adapter)"
+    )
+    leaf_of = {row.official: row.transformers for row in TARGET_TABLE.main}
+    rows = [
+        ConsumerRule(
+            "peft", version, "transformers", t, S.APPLIED, grouped if t == "wo_a" else merged.format(leaf=leaf_of[t])
+        )
+        for t in TARGET_LEAVES
+    ]
+    rows.append(ConsumerRule("peft", version, "transformers", WHOLE_ADAPTER, S.LOADED, f"{loader} accepts it"))
+    unknown = (
+        f"target_modules lists leaves transformers' model does not have: {loader} raises NoMatchingPeftModuleError"
+    )
+    for dialect in ("official", "sglang"):
+        targets = (*TARGET_LEAVES, WHOLE_ADAPTER, *((MTP,) if dialect == "official" else ()))
+        rows += [ConsumerRule("peft", version, dialect, t, S.REJECTED, unknown) for t in targets]
+    return rows
+
+
 #: The table. Rows for vLLM's ROCm model are absent: it does not import on a CPU host, so nothing checks them.
 CONSUMER_RULES: tuple[ConsumerRule, ...] = (
     *_vllm_lora_model("0.33.0", "nvidia", "vllm/models/deepseek_v4/nvidia/ops/o_proj.py:deep_gemm_fp8_o_proj"),
     *_vllm_lora_model("0.33.0", "xpu", "vllm/models/deepseek_v4/xpu/xpu_sparse.py:DeepseekV4XPUAttention._o_proj"),
     *_vllm_without_lora("0.33.0", "cpu"),
     *_sglang("0.5.23"),
+    *_peft("0.21.2"),
 )
 _BY_KEY = {(r.consumer, r.version, r.dialect, r.target): r for r in CONSUMER_RULES}
 
@@ -135,3 +169,131 @@ def unapplied_targets(consumer: str, version: str, dialect: str, targets: tuple[
     """The rows for ``targets`` whose status is anything but applied (what a fail-closed export will refuse)."""
     rules = [consumer_rule(consumer, version, dialect, t) for t in targets]
     return [r for r in rules if r is not None and r.status is not ConsumerStatus.APPLIED]
+
+
+# ------------------------------------------------------------------------------------- exporting for a consumer
+
+
+@dataclass(frozen=True)
+class ConsumerChoice:
+    """What ``--consumer NAME`` (``consumer=NAME``) stands for: the engines of :data:`CONSUMER_RULES` whose rules
+    must all hold, and the dialect to write when the caller names none."""
+
+    name: str
+    engines: tuple[str, ...]
+    dialect: str
+    note: str
+
+
+#: The names a user gives. Every engine of the table is also a name of its own (e.g. ``vllm/cpu``).
+CONSUMER_CHOICES: dict[str, ConsumerChoice] = {
+    # Only the platforms whose model implements SupportsLoRA: vLLM's CPU model refuses LoRA outright, so
+    # including it would refuse every export; ask for vllm/cpu by name to see that.
+    "vllm": ConsumerChoice("vllm", ("vllm/nvidia", "vllm/xpu"), "official", "vLLM's LoRA platforms (nvidia, xpu)"),
+    "sglang": ConsumerChoice("sglang", ("sglang",), "sglang", "SGLang"),
+    "peft": ConsumerChoice("peft", ("peft",), "transformers", "PEFT on transformers' DeepseekV4ForCausalLM"),
+}
+
+
+def consumer_choice(name: str) -> ConsumerChoice:
+    """The choice for ``name`` (a family above or one engine of the table); :class:`ConsumerSupportError` else."""
+    if name in CONSUMER_CHOICES:
+        return CONSUMER_CHOICES[name]
+    engines = {r.consumer for r in CONSUMER_RULES}
+    if name in engines:  # one platform variant of a family, e.g. vllm/cpu
+        return ConsumerChoice(name, (name,), CONSUMER_CHOICES[name.split("/")[0]].dialect, name)
+    known = sorted({*CONSUMER_CHOICES, *engines})
+    raise ConsumerSupportError(f"consumer {name!r}: impl holds no rules for it; known consumers: {known}")
+
+
+@dataclass(frozen=True)
+class ConsumerVerdict:
+    """One adapter (its dialect and targets) judged by one consumer version's rules."""
+
+    consumer: str
+    version: str
+    dialect: str
+    not_applied: tuple[ConsumerRule, ...]  # every rule that does not apply its target (the whole adapter first)
+    unknown: tuple[str, ...]  # "engine: target" with no rule: nobody checked, so nothing is vouched for
+
+    @property
+    def ok(self) -> bool:
+        return not self.not_applied and not self.unknown
+
+    def problems(self) -> list[str]:
+        """One line per target the consumer would not apply: engine, version, dialect, target, status, why."""
+        lines = [
+            f"{r.consumer} {r.version} ({r.dialect} dialect): {r.target}: {r.status}"
+            + (f" -> {r.routed_to}" if r.routed_to else "")
+            + f": {r.why}"
+            for r in self.not_applied
+        ]
+        lines += [
+            f"{u} ({self.dialect} dialect, {self.version}): no rule in impl.CONSUMER_RULES, so nothing vouches that "
+            "it is applied"
+            for u in self.unknown
+        ]
+        return lines
+
+    def record(self) -> dict:
+        """What an opt-in export writes into the adapter's metadata (``dsv4_consumer``)."""
+        unapplied = [
+            {"engine": r.consumer, "target": r.target, "status": str(r.status), "routed_to": r.routed_to, "why": r.why}
+            for r in self.not_applied
+        ]
+        return {
+            "consumer": self.consumer,
+            "version": self.version,
+            "dialect": self.dialect,
+            "unapplied": unapplied,
+            "unknown": list(self.unknown),
+        }
+
+
+def consumer_verdict(
+    consumer: str, dialect: str, targets: Iterable[str], version: str | None = None
+) -> ConsumerVerdict:
+    """Judge an adapter of ``dialect`` holding ``targets`` (:data:`TARGET_LEAVES` entries or :data:`MTP`) by
+    ``consumer`` (:func:`consumer_choice`) at ``version`` (default: the one version the table holds for it)."""
+    choice = consumer_choice(consumer)
+    versions = sorted({r.version for r in CONSUMER_RULES if r.consumer in choice.engines})
+    if version is None and len(versions) == 1:
+        version = versions[0]
+    if version not in versions:
+        raise ConsumerSupportError(
+            f"consumer {consumer!r} version {version!r}: impl holds rules for versions {versions} only "
+            "(an unchecked version is never vouched for; name one with consumer_version / --consumer-version)"
+        )
+    wanted = (WHOLE_ADAPTER, *sorted(set(targets), key=_target_order))
+    not_applied, unknown = [], []
+    for engine in choice.engines:
+        for target in wanted:
+            rule = consumer_rule(engine, version, dialect, target)
+            if rule is None:
+                unknown.append(f"{engine}: {target}")
+            elif rule.status is not _ACCEPTED[target == WHOLE_ADAPTER]:
+                not_applied.append(rule)
+    return ConsumerVerdict(consumer, version, dialect, tuple(not_applied), tuple(unknown))
+
+
+#: the status that counts as "works": for a target, applied; for the whole adapter, loaded
+_ACCEPTED = {False: ConsumerStatus.APPLIED, True: ConsumerStatus.LOADED}
+
+
+def _target_order(target: str) -> int:
+    order = (*TARGET_LEAVES, MTP)
+    return order.index(target) if target in order else len(order)
+
+
+def require_applied(verdict: ConsumerVerdict) -> None:
+    """Fail closed: raise :class:`ConsumerSupportError` naming every target the consumer would not apply."""
+    if verdict.ok:
+        return
+    raise ConsumerSupportError(
+        f"exporting for {verdict.consumer} {verdict.version} in the {verdict.dialect} dialect: "
+        f"{len(verdict.problems())} target(s) would not be applied: "
+        + "; ".join(verdict.problems())
+        + ". Nothing was exported. Drop those targets, choose another dialect or consumer, or pass "
+        "allow_unapplied=True (--allow-unapplied) to export anyway with them recorded in the adapter's "
+        "safetensors metadata (dsv4_consumer)"
+    )

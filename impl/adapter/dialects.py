@@ -10,6 +10,15 @@ and their names in
 * ``sglang``: ``base_model.model.model.layers.N.self_attn.<official leaf>.lora_{A,B}.weight`` (the Miles
   rollout path).
 
+No ``vllm`` dialect: vLLM 0.33 reads the ``official`` names. Its loader passes every LoRA tensor name through
+the model's ``hf_to_vllm_mapper`` (``vllm/lora/utils.py:parse_fine_tuned_lora_name`` with the rename-only
+``WeightsMapper.get_rename_mapper()``), whose prefix rule ``layers.`` -> ``model.layers.`` turns
+``layers.N.attn.<leaf>`` into vLLM's own module path ``model.layers.N.attn.<leaf>`` (its leaves are the official
+ones; ``packed_modules_mapping`` packs ``wq_a``+``wkv`` from those same names). A name written the vLLM way would
+load identically, so a fourth dialect would add nothing; what vLLM does not apply (``wo_a``, MTP) no naming
+changes (see :mod:`impl.adapter.consumers`). ``suites/test_consumers.py`` checks the official names land on
+vLLM's modules.
+
 Names translate both ways: :meth:`Dialect.module_name` writes a module path, :meth:`Dialect.parse_module` and
 :func:`resolve_module` read one back; :func:`parse_native` reads the native LoRA parameter names the exporter
 takes. Only main-attention rows are exportable.
@@ -182,6 +191,12 @@ def parse_native(name: str, table: TargetTable = TARGET_TABLE) -> NativeAdapterN
         f"adapter tensor {name!r} targets {loose['leaf']!r}, which is not one of the exportable V4 attention "
         f"targets {exportable}"
     )
+
+
+def native_name(layer: int | None, row: TargetRow, half: str) -> str:
+    """Inverse of :func:`parse_native`: the native (Miles layout) LoRA parameter name of half ``"A"`` or ``"B"``."""
+    scope = "mtp.layers.0.mtp_model_layer" if layer is None else f"decoder.layers.{layer}"
+    return f"{scope}.{ATTENTION_SCOPE}.{row.native}.adapter.{'linear_in' if half == 'A' else 'linear_out'}.weight"
 
 
 @dataclass(frozen=True)

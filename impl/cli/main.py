@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from impl.cli.consumer_check import add_consumer_arguments, add_export_parser
 from impl.errors import Dsv4Error, OutputPathError, UsageError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
@@ -141,6 +142,10 @@ def cmd_verify_adapter(args: argparse.Namespace) -> int:
     from impl.cli.verify import verify_adapter
 
     result = verify_adapter(args.base, args.adapter, forward=args.forward)
+    if args.consumer:  # the consumer's rules: one problem per target it would not apply
+        from impl.cli.consumer_check import add_consumer_check
+
+        add_consumer_check(result, args.adapter, args.consumer, args.consumer_version)
     _print_table([("check", "result", "detail")] + [(c.name, _status(c.passed), c.figure) for c in result.checks])
     for problem in result.problems:
         print(f"  problem: {problem}")
@@ -231,7 +236,9 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     v.add_argument("--base", required=True, help="base checkpoint directory")
     v.add_argument("--adapter", required=True, help="PEFT adapter directory")
     v.add_argument("--forward", action="store_true", help="also run the tiny logits check (small bases only)")
+    add_consumer_arguments(v, export=False)
     v.set_defaults(func=cmd_verify_adapter)
+    add_export_parser(sub)
 
     c = sub.add_parser(
         "coverage",

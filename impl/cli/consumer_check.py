@@ -1,0 +1,187 @@
+"""``dsv4-lora verify-adapter --consumer`` and ``dsv4-lora export --consumer``: an adapter judged by the rules of the
+consumer that will load it (:data:`impl.adapter.consumers.CONSUMER_RULES`, checked against the consumers' own code
+by ``suites/test_consumers.py``).
+
+``verify-adapter --consumer NAME`` reads the adapter's safetensors header only (names and metadata): every module
+is resolved to its dialect and target, and every target the consumer would not apply (loaded but not applied,
+skipped, rejected, routed elsewhere, or with no rule at all) is one problem line.
+
+``export --adapter SRC --out DST --consumer NAME`` re-publishes an existing adapter for a consumer through the
+collective export (world of one): SRC is validated, its tensors renamed back to the native names and exported in
+the consumer's dialect, failing closed exactly like the library export (nothing published) unless
+``--allow-unapplied`` records what the consumer would not apply in the safetensors metadata ``dsv4_consumer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from impl.adapter.consumers import CONSUMER_CHOICES, MTP, ConsumerVerdict, consumer_choice, consumer_verdict
+from impl.adapter.dialects import PEFT_PREFIX, resolve_module
+from impl.errors import Dsv4Error
+
+#: the ``--consumer`` names shown in ``--help`` (each engine of the table is accepted too, e.g. ``vllm/cpu``)
+CONSUMER_NAMES = tuple(CONSUMER_CHOICES)
+
+
+@dataclass
+class AdapterTargets:
+    """What a consumer check reads from an adapter: its dialect, its targets and the names it could not place."""
+
+    dialect: str | None
+    targets: set[str] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+
+
+def adapter_targets(adapter: str | Path) -> AdapterTargets:
+    """Dialect and targets (official leaves, or ``mtp``) of the adapter in ``adapter``, from its header only."""
+    from safetensors import safe_open
+
+    file = Path(adapter) / "adapter_model.safetensors"
+    if not file.is_file():
+        return AdapterTargets(None, problems=[f"{file}: missing (not a PEFT adapter directory)"])
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            names, metadata = list(f.keys()), f.metadata() or {}
+    except Exception as exc:  # a truncated or foreign file: a problem line, not a traceback
+        return AdapterTargets(None, problems=[f"{file}: not readable as safetensors ({type(exc).__name__}: {exc})"])
+    found = AdapterTargets(metadata.get("dsv4_dialect"))
+    dialects = set()
+    for name in sorted(names):
+        module = name.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0]
+        ref = resolve_module(module)
+        if not name.startswith(PEFT_PREFIX) or ref is None:
+            found.problems.append(f"{name}: names no V4 attention target in any dialect; no consumer rule covers it")
+            continue
+        dialects.add(ref.dialect)
+        found.targets.add(MTP if ref.layer is None else ref.row.official)
+    if len(dialects) > 1:
+        found.problems.append(f"{file}: module names mix the dialects {sorted(dialects)}")
+    elif dialects and found.dialect not in (None, *dialects):
+        found.problems.append(f"{file}: metadata says dialect {found.dialect!r}, the names are {dialects.pop()!r}")
+    elif dialects:
+        found.dialect = dialects.pop()
+    return found
+
+
+def consumer_problems(adapter: str | Path, consumer: str, version: str | None = None) -> tuple[str, list[str]]:
+    """(figure, problems): every target of ``adapter`` that ``consumer`` would not apply, one line each."""
+    found = adapter_targets(adapter)
+    if found.dialect is None:
+        return "adapter unreadable", found.problems or [f"{adapter}: no adapter modules found"]
+    try:
+        verdict: ConsumerVerdict = consumer_verdict(consumer, found.dialect, found.targets, version)
+    except Dsv4Error as exc:
+        return "no rules", [f"{type(exc).__name__}: {exc}"]
+    problems = found.problems + verdict.problems()
+    applied = len(found.targets) - len({r.target for r in verdict.not_applied})
+    figure = f"{verdict.consumer} {verdict.version}, {found.dialect} dialect: {applied}/{len(found.targets)} target(s) applied"
+    return figure, problems
+
+
+def add_consumer_check(result, adapter: str | Path, consumer: str, version: str | None) -> None:
+    """Append the ``consumer`` check and its problems to a :class:`impl.cli.verify.VerifyResult`."""
+    from impl.cli.verify import VerifyCheck
+
+    figure, problems = consumer_problems(adapter, consumer, version)
+    result.checks.append(VerifyCheck("consumer", not problems, figure))
+    result.problems += [f"consumer: {p}" for p in problems]
+
+
+def add_consumer_arguments(parser: argparse.ArgumentParser, *, export: bool) -> None:
+    """``--consumer`` (and ``--consumer-version``) on ``verify-adapter``; required on ``export``."""
+    parser.add_argument(
+        "--consumer",
+        required=export,
+        metavar="|".join(CONSUMER_NAMES),
+        help="judge the adapter by this consumer's rules (impl.CONSUMER_RULES, checked against its own code); "
+        "an engine variant such as vllm/cpu is accepted too",
+    )
+    parser.add_argument("--consumer-version", default=None, help="default: the one version impl holds rules for")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``dsv4-lora export``: re-publish an adapter for a consumer; exit 1 (nothing published) when it refuses."""
+    from impl.adapter.export import export_adapter
+
+    try:
+        dialect = args.dialect or consumer_choice(args.consumer).dialect
+        state, options = _source_state(Path(args.adapter))
+        out = export_adapter(
+            state,
+            args.out,
+            dialect=dialect,
+            mtp=args.mtp,
+            consumer=args.consumer,
+            consumer_version=args.consumer_version,
+            allow_unapplied=args.allow_unapplied,
+            **options,
+        )
+    except (Dsv4Error, OSError, ValueError, KeyError) as exc:  # bad input: one line naming it, never a traceback
+        cause = exc.__cause__ if isinstance(exc.__cause__, Dsv4Error) else exc
+        print(f"export FAILED: {type(cause).__name__}: {cause}", file=sys.stderr)
+        return 1
+    recorded = json.loads(_metadata(out).get("dsv4_consumer", "{}"))
+    unapplied = recorded.get("unapplied", []) + recorded.get("unknown", [])
+    print(f"exported {args.adapter} for {args.consumer} ({dialect} dialect) to {out}")
+    for item in unapplied:
+        print(f"  recorded as not applied: {item}")
+    return 0
+
+
+def _source_state(src: Path):
+    """The native adapter state of an existing adapter directory (validated first), and the export options it
+    carries over (base name, fingerprint)."""
+    from impl.adapter.build import AdapterState
+    from impl.adapter.dialects import native_name
+    from impl.adapter.fingerprint import METADATA_KEY
+    from impl.adapter.validation import AdapterDir, validate_adapter_dir
+
+    validate_adapter_dir(src, require_complete=False)
+    view = AdapterDir(src, require_complete=False)
+    tensors = {}
+    for module, halves in view.modules.items():
+        ref = resolve_module(module)
+        for half, key in (("A", "lora_A"), ("B", "lora_B")):
+            tensors[native_name(ref.layer, ref.row, half)] = halves[key]
+    cfg = view.config
+    state = AdapterState(tensors, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0))
+    fingerprint = view.metadata.get(METADATA_KEY)
+    options = {
+        "base_model_name_or_path": cfg.get("base_model_name_or_path"),
+        "base_fingerprint": json.loads(fingerprint) if fingerprint else None,
+    }
+    return state, options
+
+
+def _metadata(adapter: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
+        return f.metadata() or {}
+
+
+def add_export_parser(sub) -> None:
+    """Register ``dsv4-lora export``."""
+    e = sub.add_parser(
+        "export",
+        help="re-publish an existing adapter for a consumer (vllm, sglang, peft), failing closed",
+        description="Reads an adapter (any dialect), renames it into the consumer's dialect and publishes it "
+        "with the fail-closed export (.complete last). If the consumer would not apply, would skip or would "
+        "misroute a target (impl.CONSUMER_RULES), nothing is written and the command exits 1 naming consumer, "
+        "version, target and why; --allow-unapplied exports anyway and records them in the safetensors "
+        "metadata dsv4_consumer.",
+    )
+    e.add_argument("--adapter", required=True, help="source PEFT adapter directory")
+    e.add_argument("--out", required=True, help="destination directory (replaced atomically)")
+    add_consumer_arguments(e, export=True)
+    e.add_argument(
+        "--dialect", default=None, choices=["transformers", "official", "sglang"], help="default: the consumer's"
+    )
+    e.add_argument("--mtp", default="reject", choices=["reject", "exclude"], help="MTP the dialect cannot express")
+    e.add_argument("--allow-unapplied", action="store_true", help="export anyway; record what would not apply")
+    e.set_defaults(func=cmd_export)

@@ -1,0 +1,133 @@
+"""``dsv4-lora verify-adapter --consumer`` and ``dsv4-lora export --consumer``, run as a user runs them (subprocesses).
+
+verify-adapter lists every target the consumer would not apply (a problem line naming consumer, version,
+dialect, target, status and the consumer's reason) and exits 1; it exits 0 when the consumer applies all of them.
+export re-publishes an adapter for a consumer and fails closed (exit 1, nothing at ``--out``) unless
+``--allow-unapplied``. Expected verdicts are the engines' (see ``suites/test_consumers.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from fixtures.adapter_states import attention_shapes, make_native_adapter
+from fixtures.subproc import run
+from tiny_models.checkpoint import write_checkpoint
+from tiny_models.presets import get_preset
+
+pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
+
+R, ALPHA = 4, 8.0
+ALL = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+VLLM_APPLIES = ("wq_a", "wq_b", "wkv", "wo_b")
+
+
+@pytest.fixture(scope="module")
+def dsv4(impl):
+    def run_cli(*args: str, timeout: float = 300):
+        return run([sys.executable, "-m", f"{impl.name}.cli", *map(str, args)], timeout=timeout)
+
+    return run_cli
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return write_checkpoint("tiny-mixed", tmp_path_factory.mktemp("consumer-cli") / "base", seed=2)
+
+
+@pytest.fixture(scope="module")
+def export(impl, base, tmp_path_factory):
+    """Export the given targets in a dialect against the tiny base (fingerprinted): the adapter's directory."""
+    cfg = get_preset("tiny-mixed")
+    shapes = attention_shapes(
+        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    )
+    layers = cfg.num_hidden_layers
+    names = [f"layers.{i}.attn.{leaf}.weight" for i in range(layers) for leaf in shapes]
+    fingerprint = impl.base_fingerprint(base, names)
+    root = tmp_path_factory.mktemp("adapters")
+
+    def make(dialect: str, targets: tuple[str, ...]) -> Path:
+        out = root / f"{dialect}-{'-'.join(targets)}"
+        state = impl.AdapterState(make_native_adapter({t: shapes[t] for t in targets}, layers, R), r=R, alpha=ALPHA)
+        impl.export_adapter(state, out, dialect=dialect, base_fingerprint=fingerprint)
+        return out
+
+    return make
+
+
+def _problems(result) -> list[str]:
+    return [line.strip() for line in result.stdout.splitlines() if line.strip().startswith("problem: consumer:")]
+
+
+def test_verify_lists_wo_a_as_what_vllm_loads_but_never_applies(dsv4, base, export):
+    adapter = export("official", ALL)
+    result = dsv4("verify-adapter", "--base", base, "--adapter", adapter, "--consumer", "vllm")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
+    problems = _problems(result)
+    assert len(problems) == 2, "\n".join(problems)
+    for platform, kernel in (("vllm/nvidia", "deep_gemm_fp8_o_proj"), ("vllm/xpu", "_o_proj")):
+        line = next((p for p in problems if f"{platform} 0.33.0 (official dialect): wo_a:" in p), None)
+        assert line is not None and "loaded_not_applied" in line and kernel in line, "\n".join(problems)
+
+
+def test_verify_passes_an_adapter_vllm_applies_entirely(dsv4, base, export):
+    adapter = export("official", VLLM_APPLIES)
+    result = dsv4("verify-adapter", "--base", base, "--adapter", adapter, "--consumer", "vllm")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "4/4 target(s) applied" in result.stdout, result.stdout[-3000:]
+
+
+def test_verify_lists_every_target_sglang_refuses(dsv4, base, export):
+    adapter = export("sglang", ALL)
+    result = dsv4("verify-adapter", "--base", base, "--adapter", adapter, "--consumer", "sglang")
+    assert result.returncode == 1, result.stdout[-3000:]
+    problems = "\n".join(_problems(result))
+    for target in ("(adapter)", *ALL):
+        assert f"sglang 0.5.23 (sglang dialect): {target}: rejected" in problems, problems
+    assert "wq_b: rejected -> indexer.wq_b" in problems, problems
+
+
+@pytest.mark.parametrize("consumer, code", [("peft", 0), ("vllm", 1)])
+def test_verify_judges_a_transformers_adapter_per_consumer(dsv4, base, export, consumer, code):
+    adapter = export("transformers", ALL)
+    result = dsv4("verify-adapter", "--base", base, "--adapter", adapter, "--consumer", consumer)
+    assert result.returncode == code, result.stdout[-3000:]
+    if consumer == "vllm":
+        assert "vllm/nvidia 0.33.0 (transformers dialect): (adapter): rejected" in result.stdout, result.stdout[-3000:]
+
+
+def test_export_for_vllm_fails_closed_and_writes_nothing(dsv4, export, tmp_path):
+    out = tmp_path / "for-vllm"
+    result = dsv4("export", "--adapter", export("transformers", ALL), "--out", out, "--consumer", "vllm")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
+    said = result.stdout + result.stderr
+    assert "ConsumerSupportError" in said and "vllm/nvidia 0.33.0 (official dialect): wo_a" in said, said[-3000:]
+    assert not out.exists() and not list(tmp_path.iterdir()), f"a refused export left {list(tmp_path.iterdir())}"
+
+
+def test_export_allow_unapplied_records_the_targets_and_verify_still_lists_them(dsv4, base, export, tmp_path):
+    out = tmp_path / "for-vllm"
+    src = export("transformers", ALL)
+    result = dsv4("export", "--adapter", src, "--out", out, "--consumer", "vllm", "--allow-unapplied")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert (out / ".complete").is_file()
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
+        meta = f.metadata() or {}
+    record = json.loads(meta["dsv4_consumer"])
+    assert meta["dsv4_dialect"] == "official" and "dsv4_base_fingerprint" in meta, sorted(meta)
+    assert {(u["engine"], u["target"]) for u in record["unapplied"]} == {("vllm/nvidia", "wo_a"), ("vllm/xpu", "wo_a")}
+    checked = dsv4("verify-adapter", "--base", base, "--adapter", out, "--consumer", "vllm")
+    assert checked.returncode == 1 and len(_problems(checked)) == 2, checked.stdout[-3000:]
+
+
+def test_export_has_help_naming_the_consumers(dsv4):
+    result = dsv4("export", "--help", timeout=120)
+    assert result.returncode == 0 and "usage: dsv4-lora export" in result.stdout, result.stderr[-2000:]
+    for consumer in ("peft", "vllm", "sglang"):
+        assert consumer in result.stdout, result.stdout

@@ -1,0 +1,126 @@
+"""Exporting for a consumer fails closed when the consumer would not apply a target.
+
+An export for vLLM 0.33 / SGLang 0.5.23 / PEFT (``consumer=``) that the consumer would silently not apply, skip or
+misroute raises a typed error naming consumer, version, target and why, through the export protocol's fail-closed
+path: nothing is published, no ``.complete``, an earlier export at the destination untouched. The expected
+verdicts are the engines' own (their code, read by ``suites/test_consumers.py``: vLLM's o-projection hands
+``wo_a``'s weight to ``deep_gemm_fp8_o_proj``; its ``lora_skip_prefixes`` drops ``mtp.``; its loader refuses
+transformers' leaf names; SGLang's V4 model has no LoRA hooks). ``allow_unapplied=True`` exports anyway and
+records those targets in the safetensors metadata ``dsv4_consumer``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from fixtures.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
+from tiny_models.presets import get_preset
+
+pytestmark = pytest.mark.cpu
+
+R, ALPHA = 4, 8.0
+VLLM, SGLANG = "0.33.0", "0.5.23"
+ALL = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+
+
+def _state(impl, targets=ALL, *, mtp=False):
+    cfg = get_preset("tiny-mixed")
+    shapes = attention_shapes(
+        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    )
+    chosen = {t: shapes[t] for t in targets}
+    return impl.AdapterState(make_native_adapter(chosen, cfg.num_hidden_layers, R, mtp=mtp), r=R, alpha=ALPHA)
+
+
+@pytest.fixture
+def earlier(impl, tmp_path):
+    """A destination holding an earlier, valid export (which a refused export must leave exactly as it was)."""
+    out = tmp_path / "deploy" / "adapter"
+    impl.export_adapter(_state(impl, ("wq_a",)), out, dialect="official")
+    return out
+
+
+def _refused(impl, out, state, **kwargs) -> str:
+    """Export for a consumer; assert it failed closed with the typed cause and the tree untouched; the message."""
+    before = snapshot_tree(out)
+    with pytest.raises(impl.CollectiveExportError) as info:
+        impl.export_adapter(state, out, **kwargs)
+    cause = info.value.__cause__
+    assert isinstance(cause, impl.ConsumerSupportError), f"cause {type(cause).__name__}: {cause}"
+    assert "phase serialize" in str(info.value), f"not refused before anything was written: {info.value}"
+    assert snapshot_tree(out) == before, f"{out}: a refused export changed the destination or its surroundings"
+    with pytest.raises(impl.ConsumerSupportError):  # the in-memory publication refuses the same way
+        impl.publish_in_memory(state, **kwargs)
+    return str(cause)
+
+
+def test_wo_a_for_vllm_fails_closed_naming_the_kernel_that_reads_its_weight(impl, earlier):
+    message = _refused(impl, earlier, _state(impl), dialect="official", consumer="vllm")
+    for platform in ("vllm/nvidia", "vllm/xpu"):
+        assert f"{platform} {VLLM} (official dialect): wo_a: loaded_not_applied" in message, message
+    assert "deep_gemm_fp8_o_proj" in message and "DeepseekV4XPUAttention._o_proj" in message, message
+    for applied in ("wq_a", "wq_b", "wkv", "wo_b"):
+        assert f": {applied}:" not in message, f"{applied} is applied by vLLM, yet named: {message}"
+
+
+def test_mtp_targets_for_vllm_fail_closed_naming_its_skip_prefix(impl, earlier):
+    state = _state(impl, ("wq_a", "wkv"), mtp=True)
+    message = _refused(impl, earlier, state, dialect="official", consumer="vllm")
+    assert f"vllm/nvidia {VLLM} (official dialect): mtp: skipped" in message, message
+    assert "lora_skip_prefixes" in message, message
+
+
+def test_the_transformers_dialect_for_vllm_fails_closed(impl, earlier):
+    message = _refused(impl, earlier, _state(impl, ("wq_a",)), dialect="transformers", consumer="vllm")
+    assert f"vllm/nvidia {VLLM} (transformers dialect): (adapter): rejected" in message, message
+    assert f"vllm/nvidia {VLLM} (transformers dialect): wq_a: rejected" in message, message
+    assert "LoRAModel.from_local_checkpoint" in message, message
+
+
+@pytest.mark.parametrize("dialect", ["official", "sglang"])
+@pytest.mark.parametrize("target", ALL)
+def test_any_v4_adapter_for_sglang_fails_closed(impl, earlier, target, dialect):
+    message = _refused(impl, earlier, _state(impl, (target,)), dialect=dialect, consumer="sglang")
+    assert f"sglang {SGLANG} ({dialect} dialect): {target}: rejected" in message, message
+    if target == "wq_b":
+        assert "-> indexer.wq_b" in message and "get_normalized_target_modules" in message, message
+
+
+def test_opting_in_exports_and_records_what_vllm_will_not_apply(impl, tmp_path):
+    out = tmp_path / "adapter"
+    impl.export_adapter(_state(impl, mtp=True), out, dialect="official", consumer="vllm", allow_unapplied=True)
+    assert (out / impl.COMPLETE_MARKER).is_file(), "the opted-in export was not certified"
+    impl.validate_adapter_dir(out)
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
+        record = json.loads((f.metadata() or {})["dsv4_consumer"])
+    assert (record["consumer"], record["version"], record["dialect"]) == ("vllm", VLLM, "official"), record
+    unapplied = {(u["engine"], u["target"]): u for u in record["unapplied"]}
+    assert set(unapplied) == {(p, t) for p in ("vllm/nvidia", "vllm/xpu") for t in ("wo_a", "mtp")}, unapplied
+    assert unapplied["vllm/nvidia", "wo_a"]["status"] == "loaded_not_applied"
+    assert "deep_gemm_fp8_o_proj" in unapplied["vllm/nvidia", "wo_a"]["why"]
+    assert unapplied["vllm/nvidia", "mtp"]["status"] == "skipped"
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert not any(k.startswith("dsv4") for k in config), "the record belongs in the safetensors metadata only"
+
+
+@pytest.mark.parametrize(
+    "consumer, dialect, targets",
+    [("vllm", "official", ("wq_a", "wq_b", "wkv", "wo_b")), ("peft", "transformers", ALL)],
+)
+def test_an_adapter_the_consumer_applies_exports_with_an_empty_record(impl, tmp_path, consumer, dialect, targets):
+    out = tmp_path / "adapter"
+    impl.export_adapter(_state(impl, targets), out, dialect=dialect, consumer=consumer)
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
+        record = json.loads((f.metadata() or {})["dsv4_consumer"])
+    assert record["unapplied"] == [] and record["unknown"] == [], record
+
+
+def test_an_unknown_consumer_or_unchecked_version_is_refused(impl):
+    state = _state(impl, ("wq_a",))
+    with pytest.raises(impl.ConsumerSupportError, match=r"'tgi'.*known consumers"):
+        impl.publish_in_memory(state, dialect="official", consumer="tgi")
+    with pytest.raises(impl.ConsumerSupportError, match=r"'0\.34\.0'.*\['0\.33\.0'\]"):
+        impl.publish_in_memory(state, dialect="official", consumer="vllm", consumer_version="0.34.0")
