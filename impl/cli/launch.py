@@ -35,7 +35,7 @@ from impl.cli.rank_report import (
     qualified_name,
     root_cause,
 )
-from impl.cli.spawn import Preload, collective_timeout_s, set_collective_timeout_s, spawn_ranks
+from impl.cli.spawn import Preload, collective_timeout_s, set_collective_timeout_s, spawn_ranks, start_up
 from impl.errors import Dsv4Error
 
 __all__ = [  # the outcome names and report helpers are re-exported for the suites' runner (fixtures/multirank.py)
@@ -126,11 +126,23 @@ def _results_group(timeout_s: float) -> Any:
     return _RESULTS_GROUP[1]
 
 
-def _run_in_process(fn: Callable[..., Any], case: bytes, *, world: LaunchedWorld, timeout_s: float) -> list[Any]:
+def _run_in_process(
+    fn: Callable[..., Any],
+    case: bytes,
+    *,
+    world: LaunchedWorld,
+    timeout_s: float,
+    preload: Sequence[Preload],
+    before_go: Callable[[], object] | None,
+) -> list[Any]:
     import torch.distributed as dist
 
     _join_launched_world(world, timeout_s)
     group = _results_group(timeout_s)
+    start_up(preload)
+    if before_go is not None:
+        dist.barrier(group=group)  # a preload of one rank may write what before_go reads
+        before_go()
     interrupted: BaseException | None = None
     try:
         result = RankResult(rank=world.rank, ok=True, payload=fn(world.rank, world.world_size, pickle.loads(case)))
@@ -157,7 +169,8 @@ def launch_ranks(
     preload: Sequence[Preload] = (),
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
     grace_s: float = GRACE_S,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
+    before_go: Callable[[], object] | None = None,
 ) -> list[RankResult]:
     """``fn(rank, world_size, case)`` on ``nproc`` ranks; every rank's :class:`RankResult`, in rank order.
 
@@ -166,7 +179,9 @@ def launch_ranks(
     ``env`` adds environment variables in every spawned rank (set before torch is imported). ``preload`` names
     modules to import, or module-level callables to call, in each rank before the clock starts (megatron's import
     takes tens of seconds on a loaded host). ``backend`` is the spawned ranks' process group backend (``"nccl"``:
-    rank r drives GPU r). Never raises for a rank's failure: that is in its result.
+    rank r drives GPU r; ``None``: NCCL where CUDA is present, else gloo). ``before_go`` runs here once every rank
+    has preloaded, before any starts ``fn``: the launcher's own work overlaps the ranks' imports, and what it
+    raises stops the ranks unstarted and leaves this call. Never raises for a rank's failure: that is in its result.
     """
     module, qualname = fn.__module__, fn.__qualname__
     if "<locals>" in qualname or "<lambda>" in qualname:
@@ -182,7 +197,7 @@ def launch_ranks(
                 f"{nproc} ranks asked inside a launched world of WORLD_SIZE={world.world_size}: "
                 f"ask for {world.world_size} (or launch {nproc} ranks)"
             )
-        return _run_in_process(fn, case_bytes, world=world, timeout_s=timeout_s)
+        return _run_in_process(fn, case_bytes, world=world, timeout_s=timeout_s, preload=preload, before_go=before_go)
     rank_env = dict(env or {})
     if "OMP_NUM_THREADS" not in os.environ:  # nproc ranks share the cores: don't oversubscribe them
         rank_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -197,6 +212,7 @@ def launch_ranks(
         env=rank_env,
         preload=tuple(preload),
         backend=backend,
+        before_go=before_go,
     )
 
 
@@ -207,13 +223,14 @@ def run_on_ranks(
     nproc: int,
     timeout_s: float,
     preload: Sequence[Preload] = (),
+    before_go: Callable[[], object] | None = None,
 ) -> list[Any]:
     """``fn(rank, world_size, args)`` on every rank (NCCL, one GPU per rank, where CUDA is present; else gloo); the
-    payloads in rank order, or :class:`LaunchError` naming each failed rank (root cause first) when any failed."""
-    import torch
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    results = launch_ranks(fn, args, nproc=nproc, timeout_s=timeout_s, preload=preload, backend=backend)
+    payloads in rank order, or :class:`LaunchError` naming each failed rank (root cause first) when any failed.
+    ``before_go``: see :func:`launch_ranks`."""
+    results = launch_ranks(
+        fn, args, nproc=nproc, timeout_s=timeout_s, preload=preload, backend=None, before_go=before_go
+    )
     if any(not r.ok for r in results):
         report = format_report(results, fn_name=fn.__qualname__, world_size=nproc, timeout_s=timeout_s)
         raise LaunchError(report, results=results)

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from impl.cli import output
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -25,17 +26,15 @@ def _status(passed: bool | None) -> str:
 
 
 def cmd_qualify(args: argparse.Namespace) -> int:
-    from impl.cli.qualify import QualifyOptions, run_qualify, versions
+    from impl.cli.qualify import DefaultBase, QualifyOptions, run_qualify, versions
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    base = args.base
+    base, default_base = args.base, None
     if base is None:
-        from tiny_models.checkpoint import write_checkpoint
-
         base = str(out / "base")
-        print(f"writing the embedded default base (deterministic tiny V4, preset {args.preset}) to {base}")
-        write_checkpoint(args.preset, base, seed=args.seed)
+        default_base = DefaultBase(args.preset, args.seed, base)
+        print(f"the embedded default base (deterministic tiny V4, preset {args.preset}) goes to {base}")
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     nproc = args.nproc or args.tp * args.pp * args.ep
     opts = QualifyOptions(
@@ -57,7 +56,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     print(f"qualify: base={opts.base} tp={opts.tp} ep={opts.ep} pp={opts.pp} ranks={nproc} targets={','.join(targets)}")
     t0 = time.perf_counter()
     try:
-        checks = run_qualify(opts, nproc=nproc)
+        checks = run_qualify(opts, nproc=nproc, default_base=default_base)
         error = None
     except Exception as exc:  # report, don't traceback: the JSON still records what ran
         checks, error = [], f"{type(exc).__name__}: {exc}"
@@ -80,8 +79,10 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     json_path = Path(args.json) if args.json else out / "qualify.json"
     json_path.write_text(json.dumps(report, indent=2, default=str))
     print(f"\n{'PASSED' if ok else 'FAILED'} in {wall:.1f}s; report: {json_path}; adapter: {out / 'adapter'}")
+    print(f"log (library output, every rank): {args.log}")
     if error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)  # the whole report, rank tracebacks included: the log
+        output.problem(f"error: {error.splitlines()[0][:300]}")
     return EXIT_OK if ok else EXIT_FAILED
 
 
@@ -127,9 +128,22 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         "conversion, PEFT adapter export and reload).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show library output (warnings, logs, progress bars, every rank) on the terminal",
+    )
+    common.add_argument(
+        "--log",
+        default=None,
+        help=f"log file for library output (default: OUT/{output.LOG_NAME}, or one file per command in the temp dir)",
+    )
 
     q = sub.add_parser(
         "qualify",
+        parents=[common],
         help="run the whole contract on a base (default: an embedded tiny V4 base)",
         description="Detection, strict base load (coverage), LoRA before DDP, training steps, adapter-only "
         "export, PEFT reload on transformers, logits comparison. Exits 1 if any check fails.",
@@ -164,6 +178,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
 
     v = sub.add_parser(
         "verify-adapter",
+        parents=[common],
         help="check an existing PEFT adapter against a base without loading full weights",
         description="Reads safetensors headers and configs only (works on a full-size base): names resolve to "
         "base modules, only the configured modules, shapes agree, rank/alpha consistent, finite values, "
@@ -176,6 +191,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "coverage",
+        parents=[common],
         help="mapping coverage of a checkpoint or manifest",
         description="For each tensor: the native name and parallel semantics it maps to; totals of mapped, "
         "declared-not-loaded, unmapped and missing. Exit 1 if anything is unmapped or missing.",
@@ -183,7 +199,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--base", help="checkpoint directory")
     src.add_argument("--manifest", help="flash, pro, or a tiny preset name")
-    c.add_argument("--limit", type=int, default=40, help="table rows to print (default 40)")
+    c.add_argument("--limit", type=int, default=30, help="table rows to print (default 30)")
     c.add_argument(
         "--layout",
         default="miles",
@@ -199,7 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import impl  # noqa: F401  (CPU compat layer before any megatron import)
 
-    return args.func(args)
+    args.log = Path(args.log or output.default_log_path(args.command, getattr(args, "out", None))).resolve()
+    try:
+        console = output.Console(args.log, verbose=args.verbose)
+        console.__enter__()
+    except OSError as exc:
+        print(f"error: cannot write the log file {args.log}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        return console.run(args.func, args)
+    finally:
+        console.__exit__(None, None, None)
 
 
 if __name__ == "__main__":

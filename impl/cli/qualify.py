@@ -13,6 +13,11 @@ Steps (each a :class:`Check` with a figure and pass/fail):
 | ``export`` | adapter-only PEFT export, validated, ``.complete`` written last |
 | ``reload`` | PEFT loads the adapter onto transformers' model of the same base; logits equal the native LoRA model's |
 | ``verify`` | the exported directory passes ``verify-adapter`` checks (files, marker, fingerprint) |
+
+Where the time goes: the launcher imports neither torch nor transformers nor megatron. It starts the ranks, which
+import them (and rank 0 writes the embedded default base meanwhile), and prints the start line with its time when
+every rank is ready; each rank then runs every check, ``detect`` and ``coverage`` first, and rank 0 sends one
+progress line per step, with its time, through the launcher (:mod:`impl.cli.output`).
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from impl.cli import output
 from impl.lora.vocabulary import TARGET_TABLE, TargetRow
 
 TOLERANCE = 1e-5
+#: the progress lines of a run: starting the ranks (the launcher), then seven steps on rank 0
+STEP_COUNT = 8
 
 
 @dataclass(frozen=True)
@@ -85,13 +93,19 @@ def _sha(t) -> str:
 
 
 class _Progress:
-    def __init__(self, rank: int, total: int):
-        self.rank, self.total, self.i, self.t = rank, total, 0, time.perf_counter()
+    """Rank 0's step lines: a step's line, with its time, goes out when the next step begins or at :meth:`finish`."""
+
+    def __init__(self, rank: int):
+        self.rank, self.what, self.t = rank, "", 0.0
 
     def step(self, what: str) -> None:
-        self.i += 1
-        if self.rank == 0:
-            print(f"  [{self.i}/{self.total}] {what} ...", flush=True)
+        self.finish()
+        self.what, self.t = what, time.perf_counter()
+
+    def finish(self) -> None:
+        if self.what and self.rank == 0:
+            output.step(self.what, time.perf_counter() - self.t)
+        self.what = ""
 
 
 @dataclass
@@ -355,9 +369,15 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     """One rank's share of qualify: every step in order; rank 0 also checks against the oracle and the export."""
     from transformers import AutoConfig
 
-    _init_parallel(opts)
     base = Path(opts.base)
-    run = _RankRun(rank, opts, base, AutoConfig.from_pretrained(base), _Progress(rank, 6))
+    progress = _Progress(rank)
+    progress.step("detect and coverage (config.json, safetensors headers)")
+    checks = _base_checks(base)
+    if not _passed(checks):  # every rank sees the same base: all stop here
+        progress.finish()
+        return {"rank": rank, "checks": [asdict(c) for c in checks] if rank == 0 else []}
+    _init_parallel(opts)
+    run = _RankRun(rank, opts, base, AutoConfig.from_pretrained(base), progress, checks)
     _build(run)
     _check_base_logits(run)
     _train(run)
@@ -365,6 +385,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     if rank == 0:
         _check_reload(run, out)
         _check_verify(run, out)
+    run.progress.finish()
     return {"rank": rank, "checks": [asdict(c) for c in run.checks]}
 
 
@@ -375,11 +396,40 @@ def _exported_rows(targets) -> list[TargetRow]:
 
 
 def _preload() -> None:
-    """Import what a rank uses before the launcher starts its clock (``import impl`` alone is lazy)."""
-    import impl
+    """Import what a rank uses before the launcher starts its clock (``import impl`` alone is lazy), so the
+    step lines time the work and the start line the imports."""
+    from transformers import AutoConfig  # noqa: F401
 
-    for name in ("build_native_model", "load_official_checkpoint", "make_lora_pre_wrap_hook", "adapter_train_step"):
+    import impl
+    from tiny_models.checkpoint import load_oracle  # noqa: F401
+
+    for name in (
+        "build_native_model",
+        "load_official_checkpoint",
+        "make_lora_pre_wrap_hook",
+        "adapter_train_step",
+        "load_peft_adapter",
+    ):
         getattr(impl, name)
+
+
+@dataclass(frozen=True)
+class DefaultBase:
+    """The embedded default base, a deterministic tiny V4 checkpoint: rank 0 writes it while the ranks start up
+    (the ranks import transformers anyway; the launcher then never does)."""
+
+    preset: str
+    seed: int
+    path: str
+
+    def __call__(self) -> None:
+        from impl.cli.launch import launched_world
+
+        world = launched_world()
+        if world is None or world.rank == 0:
+            from tiny_models.checkpoint import write_checkpoint
+
+            write_checkpoint(self.preset, self.path, seed=self.seed)
 
 
 def versions() -> dict[str, str]:
@@ -394,24 +444,29 @@ def versions() -> dict[str, str]:
     return out
 
 
-def run_qualify(opts: QualifyOptions, *, nproc: int) -> list[Check]:
-    """Every check, in order (host-side checks first, then rank 0's)."""
-    from impl.cli.launch import run_on_ranks
+def _passed(checks: list[Check]) -> bool:
+    return all(c.passed for c in checks)
+
+
+def _base_checks(base: Path) -> list[Check]:
+    """``detect`` and ``coverage``: the config and the safetensors headers (every rank: cheap, and every rank must
+    know to stop)."""
     from impl.conversion.coverage import coverage_report
     from impl.conversion.detect import is_deepseek_v4_config, require_deepseek_v4_config
+    from impl.errors import Dsv4Error
 
-    checks: list[Check] = []
-    base = Path(opts.base)
     t0 = time.perf_counter()
     config = json.loads((base / "config.json").read_text())
     if not is_deepseek_v4_config(config):
         try:
             require_deepseek_v4_config(config)
         except Exception as exc:
-            checks.append(Check("detect", False, str(exc), {}, 0.0))
-            return checks
-    checks.append(Check("detect", True, f"architectures[0]={config['architectures'][0]}", {}, 0.0))
-    cov = coverage_report(base)
+            return [Check("detect", False, str(exc), {}, 0.0)]
+    checks = [Check("detect", True, f"architectures[0]={config['architectures'][0]}", {}, 0.0)]
+    try:
+        cov = coverage_report(base)
+    except Dsv4Error as exc:  # e.g. a corrupt safetensors file: the check fails with the problem, no traceback
+        return [*checks, Check("coverage", False, str(exc), {}, round(time.perf_counter() - t0, 3))]
     tot = cov.totals
     checks.append(
         Check(
@@ -427,10 +482,28 @@ def run_qualify(opts: QualifyOptions, *, nproc: int) -> list[Check]:
             round(time.perf_counter() - t0, 3),
         )
     )
-    if not checks[-1].passed:
-        return checks
-    payloads = run_on_ranks(_qualify_rank, opts, nproc=nproc, timeout_s=opts.timeout_s, preload=(_preload,))
-    checks += [Check(**c) for c in payloads[0]["checks"]]
+    return checks
+
+
+def run_qualify(opts: QualifyOptions, *, nproc: int, default_base: DefaultBase | None = None) -> list[Check]:
+    """Every check, in order (rank 0's, and what failed on other ranks). ``default_base``: rank 0 writes the
+    embedded base into ``opts.base`` while the ranks start up."""
+    from impl.cli.launch import run_on_ranks
+
+    output.declare_steps(STEP_COUNT)
+    t0 = time.perf_counter()
+    written = ", write the default base" if default_base is not None else ""
+    started = f"start {nproc} rank{'s' * (nproc > 1)} (import torch, Megatron-Core/Bridge, transformers{written})"
+    preload = (_preload,) if default_base is None else (_preload, default_base)
+    payloads = run_on_ranks(
+        _qualify_rank,
+        opts,
+        nproc=nproc,
+        timeout_s=opts.timeout_s,
+        preload=preload,
+        before_go=lambda: output.step(started, time.perf_counter() - t0),
+    )
+    checks = [Check(**c) for c in payloads[0]["checks"]]
     for p in payloads[1:]:  # other ranks report only what failed locally
         checks += [
             Check(**{**c, "name": f"{c['name']}[rank {p['rank']}]"}) for c in p["checks"] if c["passed"] is False
