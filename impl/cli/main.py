@@ -60,11 +60,13 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         error = None
     except Exception as exc:  # report, don't traceback: the JSON still records what ran
         checks, error = [], f"{type(exc).__name__}: {exc}"
+        root = getattr(exc, "root_cause", None)  # a rank failed: its own error, not the launcher's summary
+        headline = f"rank {root.rank} {root.summary()}" if root is not None else error.splitlines()[0]
     wall = time.perf_counter() - t0
     from impl.cli.qualify import Check
 
     if error:
-        checks.append(Check("run", False, error.splitlines()[0][:300], {"error": error}, 0.0))
+        checks.append(Check("run", False, headline[:300], {"error": error}, 0.0))
     print()
     _print_table([("check", "result", "figure")] + [(c.name, _status(c.passed), c.figure) for c in checks])
     ok = bool(checks) and all(c.passed is not False for c in checks)
@@ -82,7 +84,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     print(f"log (library output, every rank): {args.log}")
     if error:
         print(f"error: {error}", file=sys.stderr)  # the whole report, rank tracebacks included: the log
-        output.problem(f"error: {error.splitlines()[0][:300]}")
+        output.problem(f"error: {headline[:300]} (details: {args.log})")
     return EXIT_OK if ok else EXIT_FAILED
 
 

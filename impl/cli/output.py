@@ -91,6 +91,7 @@ class _Copier(threading.Thread):
             for fd in ready:
                 data = os.read(fd, 65536)
                 if not data:  # every writer closed it
+                    os.close(fd)
                     del self.pairs[fd]
                     continue
                 for target in (self.log_fd, self.pairs[fd]):
@@ -127,7 +128,7 @@ class Console:
                 os.dup2(write_end, fd)
                 os.close(write_end)
                 pairs.append((read_end, terminal))
-            self._copier = _Copier(pairs, log_fd)
+            self._copier = _Copier(pairs, os.dup(log_fd))  # its own descriptor: log_fd is closed below
             self._copier.start()
         else:
             os.dup2(log_fd, 1)
@@ -145,9 +146,11 @@ class Console:
         assert self._saved is not None
         os.dup2(self._saved[0], 1)  # children that inherited the log keep it; this process writes to the terminal
         os.dup2(self._saved[1], 2)
-        if self._copier is not None:
+        if self._copier is not None:  # children may still hold the pipes: drain what is there, then stop
             self._copier.stopping = True
             self._copier.join(timeout=2.0)
+            if not self._copier.is_alive():
+                os.close(self._copier.log_fd)
         for stream in (self.terminal, self.terminal_err, self.log):
             stream.close()
         for fd in self._saved:

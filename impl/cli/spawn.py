@@ -11,12 +11,15 @@ The calling process is a dispatcher, never a rank. For one call::
                                                  faulthandler -> rank<r>.stack (fatal signals and SIGUSR1)
                                                  preload, import fn's module, unpickle case
                            <-------------------  ("ready", pid)
-    all ready -> "go" to every rank  -------->   init_process_group(gloo|nccl, file://, timeout=timeout_s/2), barrier
+    all ready -> before_go() (the caller's),
+    then "go" to every rank  ---------------->   init_process_group(gloo|nccl, file://, timeout=timeout_s/2), barrier
                                                  payload = fn(rank, world_size, case)
+    impl.cli.output shows them  <-----------    ("say", line) / ("step", (what, seconds)): fn's progress lines
                            <-------------------  ("result", RankResult)   (also when fn raised anything)
                                                  destroy_process_group() (success only), os._exit
 
-The "go" handshake keeps import time out of both clocks (the rendezvous timeout and ``timeout_s``, which counts
+A rank inherits the parent's descriptors 1 and 2 (under ``dsv4-lora``: its log, see :mod:`impl.cli.output`), so
+what a rank wants a person to see travels over its pipe. The "go" handshake keeps import time out of both clocks (the rendezvous timeout and ``timeout_s``, which counts
 from "go"); imports have their own limit, ``startup_timeout_s``. The parent waits on every rank's pipe and
 process sentinel at once. The first failure (an exception, a death by signal, an exit without a result) starts a
 grace period so peers can report their own errors; when it or ``timeout_s`` runs out, every rank still running is
