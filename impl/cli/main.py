@@ -122,14 +122,8 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
-    """The ``dsv4-lora`` argument parser; ``qualify --targets`` defaults to ``table``'s main-attention targets."""
-    parser = argparse.ArgumentParser(
-        prog="dsv4-lora",
-        description="Prove a DeepSeek-V4 LoRA setup end to end (Megatron-Core native graph, Megatron-Bridge "
-        "conversion, PEFT adapter export and reload).",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def _output_options() -> argparse.ArgumentParser:
+    """Every command's ``-v/--verbose`` and ``--log`` (see :mod:`impl.cli.output`)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "-v",
@@ -142,6 +136,18 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         default=None,
         help=f"log file for library output (default: OUT/{output.LOG_NAME}, or one file per command in the temp dir)",
     )
+    return common
+
+
+def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
+    """The ``dsv4-lora`` argument parser; ``qualify --targets`` defaults to ``table``'s main-attention targets."""
+    parser = argparse.ArgumentParser(
+        prog="dsv4-lora",
+        description="Prove a DeepSeek-V4 LoRA setup end to end (Megatron-Core native graph, Megatron-Bridge "
+        "conversion, PEFT adapter export and reload).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = _output_options()
 
     q = sub.add_parser(
         "qualify",
