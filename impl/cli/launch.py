@@ -224,12 +224,13 @@ def run_on_ranks(
     timeout_s: float,
     preload: Sequence[Preload] = (),
     before_go: Callable[[], object] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """``fn(rank, world_size, args)`` on every rank (NCCL, one GPU per rank, where CUDA is present; else gloo); the
     payloads in rank order, or :class:`LaunchError` naming each failed rank (root cause first) when any failed.
-    ``before_go``: see :func:`launch_ranks`."""
+    ``before_go``, ``env``: see :func:`launch_ranks`."""
     results = launch_ranks(
-        fn, args, nproc=nproc, timeout_s=timeout_s, preload=preload, backend=None, before_go=before_go
+        fn, args, nproc=nproc, timeout_s=timeout_s, env=env, preload=preload, backend=None, before_go=before_go
     )
     if any(not r.ok for r in results):
         report = format_report(results, fn_name=fn.__qualname__, world_size=nproc, timeout_s=timeout_s)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +36,9 @@ from impl.lora.vocabulary import TARGET_TABLE, TargetRow
 TOLERANCE = 1e-5
 #: the progress lines of a run: starting the ranks (the launcher), then seven steps on rank 0
 STEP_COUNT = 8
+#: intra-op threads per rank unless OMP_NUM_THREADS is set: a tiny model's ops gain nothing from more, and on a
+#: shared host OpenMP's barriers wait for descheduled threads (training steps took 50x longer with two)
+RANK_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -502,6 +506,7 @@ def run_qualify(opts: QualifyOptions, *, nproc: int, default_base: DefaultBase |
         timeout_s=opts.timeout_s,
         preload=preload,
         before_go=lambda: output.step(started, time.perf_counter() - t0),
+        env={} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(RANK_THREADS)},
     )
     checks = [Check(**c) for c in payloads[0]["checks"]]
     for p in payloads[1:]:  # other ranks report only what failed locally
