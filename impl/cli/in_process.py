@@ -30,7 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 from impl.cli.rank_report import TIMEOUT, RankResult
-from impl.cli.spawn import collective_timeout_s, set_collective_timeout_s
+from impl.cli.spawn import Preload, collective_timeout_s, set_collective_timeout_s, start_up
 from impl.errors import Dsv4Error
 
 __all__ = ["BackendMismatch", "InProcessCall", "RanksDisagree", "gather_in_world", "run_in_process"]
@@ -60,6 +60,8 @@ class InProcessCall:
     startup_timeout_s: float
     grace_s: float
     agree: object = None  # a value every rank must pass identically (the suites: the test id)
+    preload: tuple[Preload, ...] = ()  # imported / called after joining, before the call's clock starts
+    before_go: Callable[[], object] | None = None  # run on every rank once all have preloaded, before ``fn``
 
 
 def _join(call: InProcessCall) -> float | None:
@@ -179,6 +181,7 @@ def run_in_process(fn: Callable[..., Any], case: bytes, call: InProcessCall) -> 
     before = _join(call)
     _CALLS[0] += 1
     store = _store(_CALLS[0])
+    start_up(call.preload)
     started = time.monotonic()
     watcher: _Watcher | None = None
     interrupted: BaseException | None = None
@@ -186,6 +189,8 @@ def run_in_process(fn: Callable[..., Any], case: bytes, call: InProcessCall) -> 
         _agree(store, call, (f"{fn.__module__}.{fn.__qualname__}", repr(call.agree)))
         watcher = _Watcher(store, call)
         watcher.start()
+        if call.before_go is not None:  # after the agreement: a preload of one rank may write what it reads
+            call.before_go()
         result = RankResult(rank=call.rank, ok=True, payload=fn(call.rank, call.world_size, pickle.loads(case)))
     except BaseException as exc:  # report it to the peers whatever its type; see KeyboardInterrupt below
         result = RankResult.from_exception(call.rank, exc)

@@ -92,6 +92,12 @@ def launched_world(environ: Mapping[str, str] | None = None) -> LaunchedWorld | 
 # -------------------------------------------------------------------------------------------------- entry
 
 
+def _default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def launch_ranks(
     fn: Callable[[int, int, Any], Any],
     case: Any,
@@ -102,8 +108,9 @@ def launch_ranks(
     preload: Sequence[Preload] = (),
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
     grace_s: float = GRACE_S,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     agree: object = None,
+    before_go: Callable[[], object] | None = None,
 ) -> list[RankResult]:
     """``fn(rank, world_size, case)`` on ``nproc`` ranks; every rank's :class:`RankResult`, in rank order.
 
@@ -112,8 +119,11 @@ def launch_ranks(
     ``env`` adds environment variables in every spawned rank (set before torch is imported). ``preload`` names
     modules to import, or module-level callables to call, in each rank before the clock starts (megatron's import
     takes tens of seconds on a loaded host). ``backend`` is the process group backend (``"nccl"``: rank r drives GPU
-    ``LOCAL_RANK``); in a launched world an existing default group must have it. ``agree``: a value every rank of a
-    launched world must pass identically (checked with ``fn`` and ``case`` before ``fn`` runs). Never raises for a
+    ``LOCAL_RANK``; ``None``: NCCL where CUDA is present, else gloo); in a launched world an existing default group
+    must have it. ``agree``: a value every rank of a launched world must pass identically (checked with ``fn`` and
+    ``case`` before ``fn`` runs). ``before_go`` runs once every rank has preloaded, before any starts ``fn``: the
+    launcher's own work overlaps the ranks' imports, and what it raises stops the ranks unstarted and leaves this
+    call (in a launched world it runs on every rank and what it raises is that rank's result). Never raises for a
     rank's failure: that is in its result.
     """
     module, qualname = fn.__module__, fn.__qualname__
@@ -134,11 +144,13 @@ def launch_ranks(
             world.rank,
             world.world_size,
             world.local_rank,
-            backend=backend,
+            backend=backend or _default_backend(),
             timeout_s=timeout_s,
             startup_timeout_s=startup_timeout_s,
             grace_s=grace_s,
             agree=agree,
+            preload=tuple(preload),
+            before_go=before_go,
         )
         return run_in_process(fn, case_bytes, call)
     rank_env = dict(env or {})
@@ -155,6 +167,7 @@ def launch_ranks(
         env=rank_env,
         preload=tuple(preload),
         backend=backend,
+        before_go=before_go,
     )
 
 
@@ -165,13 +178,15 @@ def run_on_ranks(
     nproc: int,
     timeout_s: float,
     preload: Sequence[Preload] = (),
+    before_go: Callable[[], object] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """``fn(rank, world_size, args)`` on every rank (NCCL, one GPU per rank, where CUDA is present; else gloo); the
-    payloads in rank order, or :class:`LaunchError` naming each failed rank (root cause first) when any failed."""
-    import torch
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    results = launch_ranks(fn, args, nproc=nproc, timeout_s=timeout_s, preload=preload, backend=backend)
+    payloads in rank order, or :class:`LaunchError` naming each failed rank (root cause first) when any failed.
+    ``before_go``, ``env``: see :func:`launch_ranks`."""
+    results = launch_ranks(
+        fn, args, nproc=nproc, timeout_s=timeout_s, env=env, preload=preload, backend=None, before_go=before_go
+    )
     if any(not r.ok for r in results):
         report = format_report(results, fn_name=fn.__qualname__, world_size=nproc, timeout_s=timeout_s)
         raise LaunchError(report, results=results)

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from impl.cli import output
 from impl.cli.consumer_check import add_consumer_arguments, add_export_parser
 from impl.errors import Dsv4Error, OutputPathError, UsageError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
@@ -62,7 +63,7 @@ def _status(passed: bool | None) -> str:
 
 
 def cmd_qualify(args: argparse.Namespace) -> int:
-    from impl.cli.qualify import QualifyOptions, run_qualify, versions
+    from impl.cli.qualify import DefaultBase, QualifyOptions, run_qualify, versions
 
     out = _output_dir(args.out)
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
@@ -74,13 +75,11 @@ def cmd_qualify(args: argparse.Namespace) -> int:
             f"--nproc {nproc} ranks cannot hold TP={args.tp} x PP={args.pp} (dense) and EP={args.ep} x PP={args.pp} "
             "(experts); use a multiple of both"
         )
-    base = args.base
+    base, default_base = args.base, None
     if base is None:
-        from tiny_models.checkpoint import write_checkpoint
-
         base = str(out / "base")
-        print(f"writing the embedded default base (deterministic tiny V4, preset {args.preset}) to {base}")
-        write_checkpoint(args.preset, base, seed=args.seed)
+        default_base = DefaultBase(args.preset, args.seed, base)
+        print(f"the embedded default base (deterministic tiny V4, preset {args.preset}) goes to {base}")
     opts = QualifyOptions(
         base=str(Path(base).resolve()),
         out=str(out),
@@ -100,16 +99,17 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     print(f"qualify: base={opts.base} tp={opts.tp} ep={opts.ep} pp={opts.pp} ranks={nproc} targets={','.join(targets)}")
     t0 = time.perf_counter()
     try:
-        checks = run_qualify(opts, nproc=nproc)
-        error = full = None
+        checks = run_qualify(opts, nproc=nproc, default_base=default_base)
+        error = None
     except Exception as exc:  # report, don't traceback: the JSON still records what ran
-        checks, full = [], f"{type(exc).__name__}: {exc}"
-        error = _typed_rank_error(exc) or full
+        checks, error = [], f"{type(exc).__name__}: {exc}"
+        root = getattr(exc, "root_cause", None)  # a rank failed: its own error, not the launcher's summary
+        headline = f"rank {root.rank} {root.summary()}" if root is not None else error.splitlines()[0]
     wall = time.perf_counter() - t0
     from impl.cli.qualify import Check
 
     if error:
-        checks.append(Check("run", False, error.splitlines()[0][:300], {"error": full}, 0.0))
+        checks.append(Check("run", False, headline[:300], {"error": error}, 0.0))
     print()
     _print_table([("check", "result", "figure")] + [(c.name, _status(c.passed), c.figure) for c in checks])
     ok = bool(checks) and all(c.passed is not False for c in checks)
@@ -124,18 +124,10 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     json_path = Path(args.json) if args.json else out / "qualify.json"
     json_path.write_text(json.dumps(report, indent=2, default=str))
     print(f"\n{'PASSED' if ok else 'FAILED'} in {wall:.1f}s; report: {json_path}; adapter: {out / 'adapter'}")
+    print(f"log (library output, every rank): {args.log}")
     if error:
-        print(f"error: {error}", file=sys.stderr)
+        output.problem(f"error: {headline[:300]} (details: {args.log})")
     return EXIT_OK if ok else EXIT_FAILED
-
-
-def _typed_rank_error(exc: Exception) -> str | None:
-    """A rank that stopped on bad input (a typed error) is reported by its message; the per-rank tracebacks stay
-    in the JSON report."""
-    root = getattr(exc, "root_cause", None)
-    if root is None or not any(name.endswith(".Dsv4Error") for name in root.exc_mro):
-        return None
-    return f"rank {root.rank}: {root.exc_type}: {root.message}"
 
 
 def cmd_verify_adapter(args: argparse.Namespace) -> int:
@@ -181,6 +173,23 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
+def _output_options() -> argparse.ArgumentParser:
+    """Every command's ``-v/--verbose`` and ``--log`` (see :mod:`impl.cli.output`)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show library output (warnings, logs, progress bars, every rank) on the terminal",
+    )
+    common.add_argument(
+        "--log",
+        default=None,
+        help=f"log file for library output (default: OUT/{output.LOG_NAME}, or one file per command in the temp dir)",
+    )
+    return common
+
+
 def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     """The ``dsv4-lora`` argument parser; ``qualify --targets`` defaults to ``table``'s main-attention targets."""
     parser = argparse.ArgumentParser(
@@ -189,9 +198,11 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         "conversion, PEFT adapter export and reload).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    common = _output_options()
 
     q = sub.add_parser(
         "qualify",
+        parents=[common],
         help="run the whole contract on a base (default: an embedded tiny V4 base)",
         description="Detection, strict base load (coverage), LoRA before DDP, training steps, adapter-only "
         "export, PEFT reload on transformers, logits comparison. Exits 1 if any check fails.",
@@ -228,6 +239,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
 
     v = sub.add_parser(
         "verify-adapter",
+        parents=[common],
         help="check an existing PEFT adapter against a base without loading full weights",
         description="Reads safetensors headers and configs only (works on a full-size base): names resolve to "
         "base modules, only the configured modules, shapes agree, rank/alpha consistent, finite values, "
@@ -242,6 +254,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "coverage",
+        parents=[common],
         help="mapping coverage of a checkpoint or manifest",
         description="For each tensor: the native name and parallel semantics it maps to; totals of mapped, "
         "declared-not-loaded, unmapped and missing. Exit 1 if anything is unmapped or missing.",
@@ -249,7 +262,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--base", help="checkpoint directory")
     src.add_argument("--manifest", help="flash, pro, or a tiny preset name")
-    c.add_argument("--limit", type=_positive(int, zero=True), default=40, help="table rows to print (default 40)")
+    c.add_argument("--limit", type=_positive(int, zero=True), default=30, help="table rows to print (default 30)")
     c.add_argument(
         "--layout",
         default="miles",
@@ -268,10 +281,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import impl  # noqa: F401  (CPU compat layer before any megatron import)
 
+    # Only qualify's --out is a report directory; export's is the adapter, which must hold nothing else.
+    report_dir = args.out if args.command == "qualify" else None
+    if report_dir is not None and args.log is None:
+        try:
+            _output_dir(report_dir)
+        except OutputPathError as exc:
+            return _print_problems([f"{exc} ({type(exc).__name__})"])
+    args.log = Path(args.log or output.default_log_path(args.command, report_dir)).resolve()
+    try:
+        console = output.Console(args.log, verbose=args.verbose)
+        console.__enter__()
+    except OSError as exc:
+        where = getattr(exc, "filename", None) or args.log
+        output.problem(
+            f"error: cannot write the log file {where}: {exc.strerror or exc} (choose another --log or --out)"
+        )
+        return EXIT_FAILED
+    try:
+        return console.run(_run_command, args)
+    finally:
+        console.__exit__(None, None, None)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """Bad input as problem lines: usage (exit 2), a typed error or an OS error naming its file (exit 1)."""
     try:
         return args.func(args)
     except UsageError as exc:
-        print(f"dsv4-lora {args.command}: error: {exc}", file=sys.stderr)
+        output.problem(f"dsv4-lora {args.command}: error: {exc}")
         return EXIT_USAGE
     except Dsv4Error as exc:
         return _print_problems([f"{exc} ({type(exc).__name__})"])

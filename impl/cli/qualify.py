@@ -14,17 +14,30 @@ Steps (each a :class:`Check` with a figure and pass/fail):
 | ``reload`` | PEFT loads the adapter onto transformers' model of the same base; logits equal the native LoRA model's |
 |            | (within :class:`LogitCheck`, and the adapter moves the logits by more than that tolerance) |
 | ``verify`` | the exported directory passes ``verify-adapter`` checks (files, marker, fingerprint) |
+
+Where the time goes: the launcher imports neither torch nor transformers nor megatron. It starts the ranks, which
+import them (and rank 0 writes the embedded default base meanwhile), and prints the start line with its time when
+every rank is ready; each rank then runs every check, ``detect`` and ``coverage`` first, and rank 0 sends one
+progress line per step, with its time, through the launcher (:mod:`impl.cli.output`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from impl.cli import output
 from impl.lora.vocabulary import TARGET_TABLE, TargetRow
+
+#: the progress lines of a run: starting the ranks (the launcher), then seven steps on rank 0
+STEP_COUNT = 8
+#: intra-op threads per rank unless OMP_NUM_THREADS is set: a tiny model's ops gain nothing from more, and on a
+#: shared host OpenMP's barriers wait for descheduled threads (training steps took 50x longer with two)
+RANK_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -124,13 +137,19 @@ def _sha(t) -> str:
 
 
 class _Progress:
-    def __init__(self, rank: int, total: int):
-        self.rank, self.total, self.i, self.t = rank, total, 0, time.perf_counter()
+    """Rank 0's step lines: a step's line, with its time, goes out when the next step begins or at :meth:`finish`."""
+
+    def __init__(self, rank: int):
+        self.rank, self.what, self.t = rank, "", 0.0
 
     def step(self, what: str) -> None:
-        self.i += 1
-        if self.rank == 0:
-            print(f"  [{self.i}/{self.total}] {what} ...", flush=True)
+        self.finish()
+        self.what, self.t = what, time.perf_counter()
+
+    def finish(self) -> None:
+        if self.what and self.rank == 0:
+            output.step(self.what, time.perf_counter() - self.t)
+        self.what = ""
 
 
 @dataclass
@@ -420,9 +439,15 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     """One rank's share of qualify: every step in order; rank 0 also checks against the oracle and the export."""
     from transformers import AutoConfig
 
-    _init_parallel(opts)
     base = Path(opts.base)
-    run = _RankRun(rank, opts, base, AutoConfig.from_pretrained(base), _Progress(rank, 6))
+    progress = _Progress(rank)
+    progress.step("detect and coverage (config.json, safetensors headers)")
+    checks = _base_checks(base)
+    if not _passed(checks):  # every rank sees the same base: all stop here
+        progress.finish()
+        return {"rank": rank, "checks": [asdict(c) for c in checks] if rank == 0 else []}
+    _init_parallel(opts)
+    run = _RankRun(rank, opts, base, AutoConfig.from_pretrained(base), progress, checks)
     _build(run)
     _check_base_logits(run)
     _train(run)
@@ -430,6 +455,7 @@ def _qualify_rank(rank: int, world: int, opts: QualifyOptions) -> dict[str, Any]
     if rank == 0:
         _check_reload(run, out)
         _check_verify(run, out)
+    run.progress.finish()
     return {"rank": rank, "checks": [asdict(c) for c in run.checks]}
 
 
@@ -440,11 +466,40 @@ def _exported_rows(targets) -> list[TargetRow]:
 
 
 def _preload() -> None:
-    """Import what a rank uses before the launcher starts its clock (``import impl`` alone is lazy)."""
-    import impl
+    """Import what a rank uses before the launcher starts its clock (``import impl`` alone is lazy), so the
+    step lines time the work and the start line the imports."""
+    from transformers import AutoConfig  # noqa: F401
 
-    for name in ("build_native_model", "load_official_checkpoint", "make_lora_pre_wrap_hook", "adapter_train_step"):
+    import impl
+    from tiny_models.checkpoint import load_oracle  # noqa: F401
+
+    for name in (
+        "build_native_model",
+        "load_official_checkpoint",
+        "make_lora_pre_wrap_hook",
+        "adapter_train_step",
+        "load_peft_adapter",
+    ):
         getattr(impl, name)
+
+
+@dataclass(frozen=True)
+class DefaultBase:
+    """The embedded default base, a deterministic tiny V4 checkpoint: rank 0 writes it while the ranks start up
+    (the ranks import transformers anyway; the launcher then never does)."""
+
+    preset: str
+    seed: int
+    path: str
+
+    def __call__(self) -> None:
+        from impl.cli.launch import launched_world
+
+        world = launched_world()
+        if world is None or world.rank == 0:
+            from tiny_models.checkpoint import write_checkpoint
+
+            write_checkpoint(self.preset, self.path, seed=self.seed)
 
 
 def versions() -> dict[str, str]:
@@ -459,26 +514,38 @@ def versions() -> dict[str, str]:
     return out
 
 
-def run_qualify(opts: QualifyOptions, *, nproc: int) -> list[Check]:
-    """Every check, in order (host-side checks first, then rank 0's)."""
-    from impl.cli.launch import run_on_ranks
-    from impl.conversion.base_dir import inspect_base
-    from impl.conversion.coverage import coverage_report
+def _passed(checks: list[Check]) -> bool:
+    return all(c.passed for c in checks)
+
+
+def _header_checks(read: Any) -> list[Check]:
+    """``detect`` (and ``base`` when the directory has problems) from :func:`inspect_base`'s headers-only read."""
     from impl.conversion.detect import is_deepseek_v4_config
 
-    checks: list[Check] = []
-    base = Path(opts.base)
-    t0 = time.perf_counter()
-    read = inspect_base(base)  # headers only: a bad base is named here, before any rank starts
     problems = [p.message for p in read.problems]
     if read.config is None or not is_deepseek_v4_config(read.config):
-        checks.append(Check("detect", False, problems[0], {"problems": problems}, 0.0))
-        return checks
-    checks.append(Check("detect", True, f"architectures[0]={read.config['architectures'][0]}", {}, 0.0))
+        return [Check("detect", False, problems[0], {"problems": problems}, 0.0)]
+    checks = [Check("detect", True, f"architectures[0]={read.config['architectures'][0]}", {}, 0.0)]
     if problems:
         checks.append(Check("base", False, "; ".join(problems), {"problems": problems}, 0.0))
+    return checks
+
+
+def _base_checks(base: Path) -> list[Check]:
+    """``detect`` and ``coverage``: the config and the safetensors headers (every rank: cheap, and every rank must
+    know to stop)."""
+    from impl.conversion.base_dir import inspect_base
+    from impl.conversion.coverage import coverage_report
+    from impl.errors import Dsv4Error
+
+    t0 = time.perf_counter()
+    checks = _header_checks(inspect_base(base))
+    if not _passed(checks):
         return checks
-    cov = coverage_report(base)
+    try:
+        cov = coverage_report(base)
+    except Dsv4Error as exc:  # e.g. a corrupt safetensors file: the check fails with the problem, no traceback
+        return [*checks, Check("coverage", False, str(exc), {}, round(time.perf_counter() - t0, 3))]
     tot = cov.totals
     checks.append(
         Check(
@@ -494,10 +561,34 @@ def run_qualify(opts: QualifyOptions, *, nproc: int) -> list[Check]:
             round(time.perf_counter() - t0, 3),
         )
     )
-    if not checks[-1].passed:
-        return checks
-    payloads = run_on_ranks(_qualify_rank, opts, nproc=nproc, timeout_s=opts.timeout_s, preload=(_preload,))
-    checks += [Check(**c) for c in payloads[0]["checks"]]
+    return checks
+
+
+def run_qualify(opts: QualifyOptions, *, nproc: int, default_base: DefaultBase | None = None) -> list[Check]:
+    """Every check, in order (rank 0's, and what failed on other ranks). ``default_base``: rank 0 writes the
+    embedded base into ``opts.base`` while the ranks start up."""
+    from impl.cli.launch import run_on_ranks
+    from impl.conversion.base_dir import inspect_base
+
+    if default_base is None:  # a given base: name what is wrong with it before any rank starts (headers only)
+        checks = _header_checks(inspect_base(opts.base))
+        if not _passed(checks):
+            return checks
+    output.declare_steps(STEP_COUNT)
+    t0 = time.perf_counter()
+    written = ", write the default base" if default_base is not None else ""
+    started = f"start {nproc} rank{'s' * (nproc > 1)} (import torch, Megatron-Core/Bridge, transformers{written})"
+    preload = (_preload,) if default_base is None else (_preload, default_base)
+    payloads = run_on_ranks(
+        _qualify_rank,
+        opts,
+        nproc=nproc,
+        timeout_s=opts.timeout_s,
+        preload=preload,
+        before_go=lambda: output.step(started, time.perf_counter() - t0),
+        env={} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(RANK_THREADS)},
+    )
+    checks = [Check(**c) for c in payloads[0]["checks"]]
     for p in payloads[1:]:  # other ranks report only what failed locally
         checks += [
             Check(**{**c, "name": f"{c['name']}[rank {p['rank']}]"}) for c in p["checks"] if c["passed"] is False

@@ -11,12 +11,15 @@ The calling process is a dispatcher, never a rank. For one call::
                                                  faulthandler -> rank<r>.stack (fatal signals and SIGUSR1)
                                                  preload, import fn's module, unpickle case
                            <-------------------  ("ready", pid)
-    all ready -> "go" to every rank  -------->   init_process_group(gloo|nccl, file://, timeout=timeout_s/2), barrier
+    all ready -> before_go() (the caller's),
+    then "go" to every rank  ---------------->   init_process_group(gloo|nccl, file://, timeout=timeout_s/2), barrier
                                                  payload = fn(rank, world_size, case)
+    impl.cli.output shows them  <-----------    ("say", line) / ("step", (what, seconds)): fn's progress lines
                            <-------------------  ("result", RankResult)   (also when fn raised anything)
                                                  destroy_process_group() (success only), os._exit
 
-The "go" handshake keeps import time out of both clocks (the rendezvous timeout and ``timeout_s``, which counts
+A rank inherits the parent's descriptors 1 and 2 (under ``dsv4-lora``: its log, see :mod:`impl.cli.output`), so
+what a rank wants a person to see travels over its pipe. The "go" handshake keeps import time out of both clocks (the rendezvous timeout and ``timeout_s``, which counts
 from "go"); imports have their own limit, ``startup_timeout_s``. The parent waits on every rank's pipe and
 process sentinel at once. The first failure (an exception, a death by signal, an exit without a result) starts a
 grace period so peers can report their own errors; when it or ``timeout_s`` runs out, every rank still running is
@@ -37,15 +40,23 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from impl.cli import output
 from impl.cli.rank_report import EXITED, NOT_STARTED, SIGNALLED, TERMINATED, TIMEOUT, RankResult
 
-__all__ = ["Preload", "collective_timeout_s", "set_collective_timeout_s", "spawn_ranks"]
+__all__ = [
+    "Preload",
+    "collective_timeout_s",
+    "resolve_backend",
+    "set_collective_timeout_s",
+    "spawn_ranks",
+    "start_up",
+]
 
 #: a module to import (by name) or a module-level callable to call in each rank before the clock starts
 Preload = str | Callable[[], object]
@@ -79,7 +90,7 @@ class _RankSpec:
     fn_qualname: str
     case: bytes
     init_method: str
-    backend: str  # "gloo", or "nccl" (one GPU per rank: LOCAL_RANK)
+    backend: str | None  # "gloo", "nccl" (one GPU per rank: LOCAL_RANK), None: nccl where CUDA is present
     pg_timeout_s: float
     env: dict[str, str]
     stack_file: str
@@ -95,6 +106,13 @@ def resolve_function(module: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
+def resolve_backend() -> str:
+    """NCCL where CUDA is present, else gloo (decided in the rank: the launcher need not import torch)."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def _die_with_parent(parent_pid: int) -> None:
     # The rank lives in its own session, so a dying parent would not take it along: ask the kernel to.
     try:
@@ -105,13 +123,18 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _start_up(spec: _RankSpec) -> tuple[Callable[..., Any], Any]:
-    """Everything slow before the clock: preloads, fn's module, the case."""
-    for item in spec.preload:
+def start_up(preload: Sequence[Preload]) -> None:
+    """Import each module / call each callable of ``preload``, in order."""
+    for item in preload:
         if isinstance(item, str):
             importlib.import_module(item)
         else:
             item()
+
+
+def _start_up(spec: _RankSpec) -> tuple[Callable[..., Any], Any]:
+    """Everything slow before the clock: preloads, fn's module, the case."""
+    start_up(spec.preload)
     return resolve_function(spec.fn_module, spec.fn_qualname), pickle.loads(spec.case)
 
 
@@ -119,12 +142,13 @@ def _join_world(spec: _RankSpec) -> None:
     import torch.distributed as dist
 
     set_collective_timeout_s(spec.pg_timeout_s)
-    if spec.backend == "nccl":
+    backend = spec.backend or resolve_backend()
+    if backend == "nccl":
         import torch
 
         torch.cuda.set_device(spec.rank)
     dist.init_process_group(
-        spec.backend,
+        backend,
         init_method=spec.init_method,
         rank=spec.rank,
         world_size=spec.world_size,
@@ -149,6 +173,7 @@ def _rank_main(spec: _RankSpec, conn: Connection) -> None:
         if conn.recv() != "go":
             os._exit(1)
         started = True
+        output.forward_to(conn.send)  # the rank's descriptors may point at a log: progress lines go to the launcher
         _join_world(spec)
         result = RankResult(rank=spec.rank, ok=True, payload=fn(spec.rank, spec.world_size, case), pid=os.getpid())
     except EOFError:  # the parent closed the pipe: it is tearing the run down
@@ -159,6 +184,7 @@ def _rank_main(spec: _RankSpec, conn: Connection) -> None:
         conn.send(("result", result))
     except Exception as exc:  # an unpicklable payload is fn's bug: report it as this rank's failure
         conn.send(("result", RankResult.from_exception(spec.rank, exc)))
+    output.forward_to(None)
     conn.close()
     if result.ok and started:
         try:
@@ -203,9 +229,11 @@ class _Rank:
             return
         if kind == "ready":
             self.ready = True
-        else:
+        elif kind == "result":
             self.result = value
             self.close()
+        else:
+            output.show((kind, value))
 
     def close(self) -> None:
         if self.conn is not None:
@@ -308,8 +336,9 @@ def _start(spec_for: Callable[[int], _RankSpec], nproc: int, ranks: list[_Rank])
         ranks.append(_Rank(rank, proc, parent_conn, spec.stack_file))
 
 
-def _supervise(ranks: list[_Rank], clock: _Clock, timeout_s: float) -> None:
-    """Wait on every pipe and sentinel until all ranks are done or the clock's limit passes."""
+def _supervise(ranks: list[_Rank], clock: _Clock, timeout_s: float, before_go: Callable[[], object] | None) -> None:
+    """Wait on every pipe and sentinel until all ranks are done or the clock's limit passes; ``before_go`` runs
+    once every rank is ready, before any starts (what it raises leaves here, and the ranks are reaped unstarted)."""
     while True:
         waitables: list[Any] = [r.conn for r in ranks if r.conn is not None]
         waitables += [r.proc.sentinel for r in ranks if r.exitcode is None]
@@ -323,6 +352,8 @@ def _supervise(ranks: list[_Rank], clock: _Clock, timeout_s: float) -> None:
             if r.exitcode is None and r.proc.sentinel in ready:
                 r.poll_exit()
         if clock.go_at is None and all(r.ready for r in ranks) and not any(r.failed for r in ranks):
+            if before_go is not None:
+                before_go()
             for r in ranks:
                 try:
                     r.conn.send("go")  # type: ignore[union-attr]  # every rank is ready: its pipe is open
@@ -365,7 +396,8 @@ def spawn_ranks(
     grace_s: float,
     env: Mapping[str, str],
     preload: tuple[Preload, ...],
-    backend: str = "gloo",
+    backend: str | None = "gloo",
+    before_go: Callable[[], object] | None = None,
 ) -> list[RankResult]:
     """Run ``fn_module.fn_qualname(rank, nproc, pickle.loads(case))`` on ``nproc`` spawned ranks."""
     tmp = tempfile.mkdtemp(prefix="multirank-")
@@ -392,7 +424,7 @@ def spawn_ranks(
     try:
         _start(spec_for, nproc, ranks)
         clock = _Clock(deadline=time.monotonic() + startup_timeout_s, grace_s=grace_s)
-        _supervise(ranks, clock, timeout_s)
+        _supervise(ranks, clock, timeout_s, before_go)
         stopped = _stop_reasons(ranks, clock, timeout_s, startup_timeout_s)
         unfinished = [r for r in ranks if r.rank in stopped]
         for r in unfinished:
