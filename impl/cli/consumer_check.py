@@ -19,6 +19,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from impl.adapter.consumers import CONSUMER_CHOICES, MTP, ConsumerVerdict, consumer_choice, consumer_verdict
 from impl.adapter.dialects import PEFT_PREFIX, resolve_module
@@ -165,10 +166,11 @@ def _metadata(adapter: Path) -> dict[str, str]:
         return f.metadata() or {}
 
 
-def add_export_parser(sub) -> None:
-    """Register ``dsv4-lora export``."""
+def add_export_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """Register ``dsv4-lora export`` (``parents``: the options every command shares)."""
     e = sub.add_parser(
         "export",
+        parents=parents,
         help="re-publish an existing adapter for a consumer (vllm, sglang, peft), failing closed",
         description="Reads an adapter (any dialect), renames it into the consumer's dialect and publishes it "
         "with the fail-closed export (.complete last). If the consumer would not apply, would skip or would "

@@ -250,7 +250,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     v.add_argument("--forward", action="store_true", help="also run the tiny logits check (small bases only)")
     add_consumer_arguments(v, export=False)
     v.set_defaults(func=cmd_verify_adapter)
-    add_export_parser(sub)
+    add_export_parser(sub, parents=[common])
 
     c = sub.add_parser(
         "coverage",
