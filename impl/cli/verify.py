@@ -37,15 +37,9 @@ class VerifyResult:
 
 
 def _base_headers(base: Path) -> dict[str, tuple[list[int], str]]:
-    from safetensors import safe_open
+    from impl.conversion.headers import read_headers
 
-    out: dict[str, tuple[list[int], str]] = {}
-    for file in sorted(base.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for k in f.keys():
-                sl = f.get_slice(k)
-                out[k] = (list(sl.get_shape()), sl.get_dtype())
-    return out
+    return {name: (list(h.shape), h.dtype) for name, h in read_headers(base)[0].items()}
 
 
 def _official_base_of(module: str, table: TargetTable = TARGET_TABLE) -> str | None:
