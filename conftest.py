@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 
 from fixtures.impl_loader import load_impl, resolve_impl_name
 
-pytest_plugins = ["fixtures.checkpoints", "fixtures.rank_session"]
+pytest_plugins = ["fixtures.checkpoints", "fixtures.rank_session", "fixtures.sparse_checkpoint"]
 
 REQUIRED_MARKERS = ("cpu", "gpu", "gpu32", "bench")
 MARKERS = {

@@ -6,7 +6,8 @@ the adapter's ``adapter_model.safetensors`` header under ``dsv4_base_fingerprint
 ``adapter_config.json``: PEFT's ``from_peft_type`` drops unknown keys with an "upgrade PEFT" warning, and rollout
 engines parse that file too), so it travels inseparably with the tensors.
 
-Reading a checkpoint directory opens only the shards that hold targeted tensors and reads only those tensors.
+Reading a checkpoint directory opens only the shards that hold targeted tensors (their headers) and streams only
+those tensors' bytes through the hash: memory stays flat on a full-size base.
 """
 
 from __future__ import annotations
@@ -15,18 +16,39 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from impl.adapter.dialects import DIALECTS
+from impl.conversion.headers import Header, read_file_header, shard_files, tensor_sha256
 from impl.errors import Dsv4Error
 from impl.lora.vocabulary import TARGET_TABLE
 
 FINGERPRINT_VERSION = 1
 METADATA_KEY = "dsv4_base_fingerprint"
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
+#: safetensors dtype -> the torch dtype name a record carries (what a loaded tensor's dtype prints as)
+TORCH_DTYPE_NAMES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+}
 
 
 class FingerprintMismatchError(Dsv4Error, ValueError):
@@ -65,15 +87,14 @@ def _transformers_alias(official: str) -> str | None:
     return None
 
 
-def _lookup(available: Iterable[str], name: str) -> str | None:
-    available = set(available)
+def _lookup(available: set[str] | Mapping[str, Any], name: str) -> str | None:
     if name in available:
         return name
     alias = _transformers_alias(name)
     return alias if alias is not None and alias in available else None
 
 
-def _with_companions(names: Iterable[str], available: set[str]) -> list[str]:
+def _with_companions(names: Iterable[str], available: set[str] | Mapping[str, Any]) -> list[str]:
     out = []
     for n in names:
         out.append(n)
@@ -83,20 +104,34 @@ def _with_companions(names: Iterable[str], available: set[str]) -> list[str]:
     return out
 
 
-def _dir_sources(path: Path, names: list[str]) -> tuple[dict[str, Path], set[str]]:
-    """Map each wanted name to the shard holding it, reading only the index (or shard headers)."""
-    from safetensors import safe_open
-
+def _dir_sources(path: Path) -> dict[str, str]:
+    """Each tensor name -> the shard file holding it, from the index (or, without one, every shard's header)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: path / v for k, v in weight_map.items()}, set(weight_map)
-    where: dict[str, Path] = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:  # header only
-            for k in f.keys():
-                where[k] = shard
-    return where, set(where)
+        return dict(json.loads(index.read_text())["weight_map"])
+    return {name: h.file for f in shard_files(path) for name, h in read_file_header(f)}
+
+
+def _dir_records(path: Path, wanted: list[str], where: dict[str, str]) -> dict[str, Any]:
+    """Records of ``wanted`` from their shards' headers, each tensor's bytes streamed (never loaded)."""
+    by_shard: dict[str, list[str]] = {}
+    for n in wanted:
+        by_shard.setdefault(where[_lookup(where, n)], []).append(n)
+    found: dict[str, Header] = {}
+    for shard, shard_names in sorted(by_shard.items()):
+        headers = dict(read_file_header(path / shard))
+        for n in shard_names:
+            h = headers.get(_lookup(where, n))
+            if h is None:
+                raise FingerprintMismatchError(f"{path / shard}: has no tensor {n} although the index says it does")
+            found[n] = h
+    # hashlib and file reads release the GIL: a few threads hash several tensors at once
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        digests = dict(zip(found, pool.map(lambda h: tensor_sha256(path, h), found.values()), strict=True))
+    return {
+        n: {"shape": list(h.shape), "dtype": TORCH_DTYPE_NAMES.get(h.dtype, h.dtype), "sha256": digests[n]}
+        for n, h in found.items()
+    }
 
 
 def base_fingerprint(
@@ -111,11 +146,9 @@ def base_fingerprint(
     or an in-memory state dict (pass ``config`` to hash it). Quantized ``.scale`` companions are included.
     Raises :class:`FingerprintMismatchError` when a named tensor is absent from the base.
     """
-    from safetensors import safe_open
-
     names = list(dict.fromkeys(names))
-    records: dict[str, Any] = {}
     if isinstance(base, Mapping):
+        records: dict[str, Any] = {}
         available = set(base)
         missing = [n for n in names if _lookup(available, n) is None]
         if missing:
@@ -125,18 +158,12 @@ def base_fingerprint(
         return {"version": FINGERPRINT_VERSION, "config_sha256": config_sha256(config), "tensors": records}
 
     path = Path(base)
-    where, available = _dir_sources(path, names)
-    missing = [n for n in names if _lookup(available, n) is None]
+    where = _dir_sources(path)
+    missing = [n for n in names if _lookup(where, n) is None]
     if missing:
         raise FingerprintMismatchError(f"base checkpoint {path} has no tensor for {missing}; is it the right base?")
-    wanted = _with_companions(names, available)
-    by_shard: dict[Path, list[str]] = {}
-    for n in wanted:
-        by_shard.setdefault(where[_lookup(available, n)], []).append(n)
-    for shard, shard_names in sorted(by_shard.items()):
-        with safe_open(str(shard), framework="pt") as f:
-            for n in shard_names:
-                records[n] = tensor_record(f.get_tensor(_lookup(available, n)))
+    wanted = _with_companions(names, where)
+    records = _dir_records(path, wanted, where)
     cfg_file = path / "config.json"
     cfg = json.loads(cfg_file.read_text()) if config is None and cfg_file.is_file() else config
     ordered = {n: records[n] for n in wanted}

@@ -169,26 +169,22 @@ def _shards(base: BaseDir) -> Iterator[Problem]:
 
 
 def _header(base: BaseDir, shard: str) -> Iterator[Problem]:
-    from safetensors import safe_open
+    from impl.conversion.headers import read_file_header  # the one safetensors header reader (plain Python)
 
     file = base.path / shard
     try:
-        with safe_open(str(file), framework="pt") as f:
-            found = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+        found = read_file_header(file)
     except OSError as exc:
         yield Problem(InputFileError, f"{file}: unreadable ({exc.strerror or type(exc).__name__})")
         return
-    except Exception as exc:  # safetensors raises its own error type for a truncated or corrupt file
-        yield Problem(
-            CorruptCheckpointError,
-            f"{file}: not a readable safetensors file ({type(exc).__name__}: {exc}); re-download or re-write it",
-        )
+    except CorruptCheckpointError as exc:  # truncated, padded or not a safetensors file: the reader names it
+        yield Problem(CorruptCheckpointError, str(exc))
         return
-    twice = sorted(k for k in found if k in base.headers)
+    twice = sorted({name for name, _ in found if name in base.headers})
     if twice:
         yield Problem(CorruptCheckpointError, f"{file}: {_names(twice)} also in {base.headers[twice[0]].file}")
-    for name, (shape, dtype) in found.items():
-        base.headers.setdefault(name, TensorHeader(shape, dtype, shard))
+    for name, header in found:
+        base.headers.setdefault(name, TensorHeader(list(header.shape), header.dtype, shard))
 
 
 #: The steps, in order; a step after a failed ``directory`` or ``config`` step would only repeat it.

@@ -1,5 +1,6 @@
-"""Reading an official-layout V4 checkpoint without loading it: safetensors headers (shape, dtype, file), a
-lazy tensor view, and the header-only checks of quantized weights and their ``.scale`` companions.
+"""Reading an official-layout V4 checkpoint without loading it: safetensors headers (shape, dtype, file; parsed by
+:mod:`impl.conversion.headers`), a lazy tensor view, and the header-only checks of quantized weights and their
+``.scale`` companions.
 
 Everything here reads headers only, so the strict load (:mod:`impl.conversion.bridge`) can judge a full-size
 checkpoint, agree across ranks and fail before any collective or any tensor read.
@@ -11,16 +12,14 @@ import impl.compat.active  # noqa: F401  (the CPU compat layer must precede ever
 
 # isort: split
 
-import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from impl.errors import CheckpointMappingError, CorruptCheckpointError
+from impl.conversion.headers import Header, read_headers
 
 try:  # Megatron-Bridge >= 0.5.0 dequantizes FP8 / MXFP4 checkpoint weights; 0.4.x has no such module.
     from megatron.bridge.models.conversion.quantization_utils import maybe_dequantize_hf_quantized_weight
@@ -36,38 +35,6 @@ __all__ = [
     "quantization_problems",
     "read_headers",
 ]
-
-
-@dataclass(frozen=True)
-class Header:
-    file: str
-    shape: tuple[int, ...]
-    dtype: str
-
-
-def read_headers(ckpt_dir: Path) -> tuple[dict[str, Header], dict[str, list[str]]]:
-    files = sorted(ckpt_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointMappingError(f"no *.safetensors files in {ckpt_dir}; point at an official V4 checkpoint dir")
-    headers: dict[str, Header] = {}
-    seen: dict[str, list[str]] = {}
-    for f in files:
-        # The JSON header itself: it also reveals a name written twice within one file.
-        try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                raw = json.loads(fh.read(n), object_pairs_hook=lambda kv: kv)
-            entries = [(name, dict(meta)) for name, meta in raw if name != "__metadata__"]
-            parsed = [(name, tuple(meta["shape"]), meta["dtype"]) for name, meta in entries]
-        except (ValueError, KeyError, TypeError, MemoryError) as exc:
-            raise CorruptCheckpointError(
-                f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc}); re-download or re-write it"
-            ) from exc
-        for name, shape, dtype in parsed:
-            seen.setdefault(name, []).append(f.name)
-            headers[name] = Header(f.name, shape, dtype)
-    dups = {n: fs for n, fs in seen.items() if len(fs) > 1}
-    return headers, dups
 
 
 class LazyState(Mapping[str, torch.Tensor]):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from impl.conversion.headers import read_file_header
 from impl.conversion.mapping import (
     expected_official_names,
     fill,
@@ -21,7 +22,6 @@ from impl.conversion.mapping import (
     normalize,
     scale_base,
 )
-from impl.errors import CorruptCheckpointError
 
 __all__ = ["CoverageEntry", "CoverageReport", "coverage_report"]
 
@@ -75,19 +75,8 @@ class CoverageReport:
 
 
 def _names_of(source: Any) -> list[str]:
-    if isinstance(source, str | Path):
-        from safetensors import safe_open
-
-        names: list[str] = []
-        for f in sorted(Path(source).glob("*.safetensors")):
-            try:
-                with safe_open(str(f), framework="pt") as fh:
-                    names += list(fh.keys())
-            except Exception as exc:  # safetensors raises its own error types for a bad header
-                raise CorruptCheckpointError(
-                    f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc}); re-download or re-write it"
-                ) from exc
-        return names
+    if isinstance(source, str | Path):  # headers only (CorruptCheckpointError names a bad file)
+        return [name for f in sorted(Path(source).glob("*.safetensors")) for name, _ in read_file_header(f)]
     if isinstance(source, Mapping):
         return list(source)
     return [n if isinstance(n, str) else n.name for n in source]  # names or TensorSpec-like rows

@@ -1,0 +1,100 @@
+"""safetensors headers read as plain JSON, and one tensor's bytes streamed from disk: no torch, no mapping.
+
+A full-size base (Flash: ~69k tensors, ~160 GB) is judged by its headers alone (names, shapes, dtypes, byte
+ranges); the few tensors whose bytes matter (the fingerprint's) are streamed in fixed chunks, so memory stays
+flat whatever the tensor's size. ``verify-adapter`` and ``coverage`` read bases through this module only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from impl.errors import CheckpointMappingError, CorruptCheckpointError
+
+__all__ = ["Header", "read_file_header", "read_headers", "shard_files", "tensor_sha256"]
+
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Header:
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+    span: tuple[int, int] = (0, 0)  # the tensor's bytes: absolute [start, end) offsets in ``file``
+
+
+def shard_files(ckpt_dir: Path) -> list[Path]:
+    files = sorted(Path(ckpt_dir).glob("*.safetensors"))
+    if not files:
+        raise CheckpointMappingError(f"no *.safetensors files in {ckpt_dir}; point at an official V4 checkpoint dir")
+    return files
+
+
+def read_file_header(file: Path) -> list[tuple[str, Header]]:
+    """Every (name, header) of one safetensors file in header order (a name written twice appears twice)."""
+    try:
+        with open(file, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"header length {n} does not fit in the file's {size} bytes")
+            text = fh.read(n)
+        parsed = json.loads(text)
+        entries = [(name, meta) for name, meta in parsed.items() if name != "__metadata__"]
+        if text.count(b'"data_offsets"') > len(entries):  # a name written twice: keep every copy (slower parse)
+            pairs = json.loads(text, object_pairs_hook=lambda kv: kv)
+            entries = [(name, dict(meta)) for name, meta in pairs if name != "__metadata__"]
+        fname, start = file.name, 8 + n
+        found = [
+            (name, Header(fname, tuple(meta["shape"]), meta["dtype"], (start + int(b), start + int(e))))
+            for name, meta in entries
+            for b, e in (meta["data_offsets"],)
+        ]
+    except (ValueError, KeyError, TypeError, AttributeError, MemoryError) as exc:
+        raise CorruptCheckpointError(
+            f"{file}: not a readable safetensors file ({type(exc).__name__}: {exc}); re-download or re-write it"
+        ) from exc
+    declared = max([h.span[1] for _, h in found], default=8 + n)
+    if declared != size:
+        raise CorruptCheckpointError(
+            f"{file}: {size} bytes, but its header declares {declared} (truncated or padded); "
+            "re-download or re-write it"
+        )
+    return found
+
+
+def read_headers(ckpt_dir: Path) -> tuple[dict[str, Header], dict[str, list[str]]]:
+    """name -> header over every shard of ``ckpt_dir``, and the names found in more than one place (-> files)."""
+    headers: dict[str, Header] = {}
+    seen: dict[str, list[str]] = {}
+    for f in shard_files(ckpt_dir):
+        for name, header in read_file_header(f):
+            seen.setdefault(name, []).append(f.name)
+            headers[name] = header
+    dups = {n: fs for n, fs in seen.items() if len(fs) > 1}
+    return headers, dups
+
+
+def tensor_sha256(ckpt_dir: Path, header: Header) -> str:
+    """sha256 of one tensor's stored bytes, streamed (the same bytes a loaded tensor's storage holds)."""
+    h = hashlib.sha256()
+    start, end = header.span
+    buf = bytearray(min(_CHUNK, end - start))
+    view = memoryview(buf)
+    with open(Path(ckpt_dir) / header.file, "rb", buffering=0) as fh:
+        fh.seek(start)
+        left = end - start
+        while left > 0:
+            got = fh.readinto(view[: min(len(buf), left)])
+            if not got:
+                raise CorruptCheckpointError(
+                    f"{Path(ckpt_dir) / header.file}: ends inside tensor bytes [{start}, {end}); re-download it"
+                )
+            h.update(view[:got])
+            left -= got
+    return h.hexdigest()
