@@ -154,14 +154,16 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     if args.base:
         from impl.conversion.base_dir import inspect_base
 
-        read = inspect_base(args.base)
+        read = inspect_base(args.base, transformers_config=True)
         if not read.ok:
             return _print_problems([p.message for p in read.problems])
         report = coverage_report(Path(args.base), layout=args.layout)
     else:
         from tiny_models.manifest import manifest
-        from tiny_models.presets import flash_config, get_preset, pro_config
+        from tiny_models.presets import PRESETS, flash_config, get_preset, pro_config
 
+        if args.manifest not in ("flash", "pro", *PRESETS):
+            raise UsageError(f"--manifest {args.manifest!r}: choose flash, pro or a tiny preset {sorted(PRESETS)}")
         cfg = {"flash": flash_config, "pro": pro_config}.get(args.manifest)
         cfg = cfg() if cfg else get_preset(args.manifest)
         report = coverage_report(

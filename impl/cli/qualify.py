@@ -403,7 +403,9 @@ def run_qualify(opts: QualifyOptions, *, nproc: int) -> list[Check]:
     checks: list[Check] = []
     base = Path(opts.base)
     t0 = time.perf_counter()
-    read = inspect_base(base)  # headers only: a bad base is named here, before any rank starts
+    read = inspect_base(
+        base, transformers_config=True
+    )  # headers only: a bad base is named here, before any rank starts
     problems = [p.message for p in read.problems]
     if read.config is None or not is_deepseek_v4_config(read.config):
         checks.append(Check("detect", False, problems[0], {"problems": problems}, 0.0))
