@@ -241,6 +241,7 @@ def test_qualify_names_the_damaged_base_file_before_starting_ranks(dsv4, damaged
         (("qualify", "--tp", "2", "--nproc", "3"), "--nproc 3"),
         (("coverage", "--manifest", "flash", "--limit", "-1"), "--limit: -1 must be non-negative"),
         (("coverage", "--manifest", "nope"), "--manifest 'nope': choose flash, pro or a tiny preset"),
+        (("qualify", "--preset", "nope"), "--preset 'nope': choose one of"),
         (("verify-adapter", "--base", "x"), "--adapter"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else None,

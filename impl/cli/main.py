@@ -63,7 +63,6 @@ def _status(passed: bool | None) -> str:
 def cmd_qualify(args: argparse.Namespace) -> int:
     from impl.cli.qualify import QualifyOptions, run_qualify, versions
 
-    out = _output_dir(args.out)
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     if not targets:
         raise UsageError(f"--targets {args.targets!r} names no target; give comma-separated names such as wq_a,wo_b")
@@ -73,6 +72,12 @@ def cmd_qualify(args: argparse.Namespace) -> int:
             f"--nproc {nproc} ranks cannot hold TP={args.tp} x PP={args.pp} (dense) and EP={args.ep} x PP={args.pp} "
             "(experts); use a multiple of both"
         )
+    if args.base is None:
+        from tiny_models.presets import PRESETS
+
+        if args.preset not in PRESETS:
+            raise UsageError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+    out = _output_dir(args.out)
     base = args.base
     if base is None:
         from tiny_models.checkpoint import write_checkpoint
