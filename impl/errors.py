@@ -85,7 +85,7 @@ class ShardIndexError(CorruptCheckpointError):
     named, or a tensor sits in another shard than the index says."""
 
 
-class OutputPathError(Dsv4Error, OSError):
+class OutputPathError(Dsv4Error, ValueError):
     """An output path cannot be created or written (path and reason named)."""
 
 

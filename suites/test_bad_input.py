@@ -207,6 +207,18 @@ def test_coverage_names_the_damaged_base_file(dsv4, damaged, request):
 
 
 @SUBPROCESS
+def test_coverage_names_a_config_value_transformers_rejects(dsv4, pair, tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(pair[0], base)
+    _edit_json(base / "config.json", lambda d: d.update(num_hidden_layers="four"))
+    result = dsv4("coverage", "--base", base)
+    _no_traceback(result, "num_hidden_layers='four'")
+    problems = _problems(result)
+    assert result.returncode == 1 and problems, result.stdout[-3000:]
+    assert "config.json" in problems[0] and "num_hidden_layers" in problems[0], problems
+
+
+@SUBPROCESS
 @pytest.mark.parametrize("damaged", ["base-not-v4", "base-shard-missing", "base-config-invalid-json"], indirect=True)
 def test_qualify_names_the_damaged_base_file_before_starting_ranks(dsv4, damaged, request, tmp_path):
     base, _, file, says = damaged
@@ -228,6 +240,8 @@ def test_qualify_names_the_damaged_base_file_before_starting_ranks(dsv4, damaged
         (("qualify", "--targets", " , "), "names no target"),
         (("qualify", "--tp", "2", "--nproc", "3"), "--nproc 3"),
         (("coverage", "--manifest", "flash", "--limit", "-1"), "--limit: -1 must be non-negative"),
+        (("coverage", "--manifest", "nope"), "--manifest 'nope': choose flash, pro or a tiny preset"),
+        (("qualify", "--preset", "nope"), "--preset 'nope': choose one of"),
         (("verify-adapter", "--base", "x"), "--adapter"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else None,

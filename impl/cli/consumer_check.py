@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from impl.adapter.consumers import CONSUMER_CHOICES, MTP, ConsumerVerdict, consumer_choice, consumer_verdict
 from impl.adapter.dialects import PEFT_PREFIX, resolve_module
+from impl.cli import output
 from impl.errors import Dsv4Error
 
 #: the ``--consumer`` names shown in ``--help`` (each engine of the table is accepted too, e.g. ``vllm/cpu``)
@@ -124,7 +124,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     except (Dsv4Error, OSError, ValueError, KeyError) as exc:  # bad input: one line naming it, never a traceback
         cause = exc.__cause__ if isinstance(exc.__cause__, Dsv4Error) else exc
-        print(f"export FAILED: {type(cause).__name__}: {cause}", file=sys.stderr)
+        output.problem(f"export FAILED: {type(cause).__name__}: {cause}")  # the person's terminal, not the log
         return 1
     recorded = json.loads(_metadata(out).get("dsv4_consumer", "{}"))
     unapplied = recorded.get("unapplied", []) + recorded.get("unknown", [])

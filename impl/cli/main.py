@@ -14,6 +14,7 @@ from impl.errors import Dsv4Error, OutputPathError, UsageError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_PRESET = "tiny-mixed"
 
 
 def _print_problems(problems: list[str]) -> int:
@@ -62,19 +63,30 @@ def _status(passed: bool | None) -> str:
     return "PASS" if passed else ("n/a" if passed is None else "FAIL")
 
 
+def check_qualify_usage(args: argparse.Namespace) -> None:
+    """qualify's arguments that cannot work, before anything is created (:class:`UsageError`, exit 2); sets
+    ``args.target_list`` and ``args.ranks``."""
+    args.target_list = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    if not args.target_list:
+        raise UsageError(f"--targets {args.targets!r} names no target; give comma-separated names such as wq_a,wo_b")
+    args.ranks = args.nproc or args.tp * args.pp * args.ep
+    if args.ranks % (args.tp * args.pp) or args.ranks % (args.ep * args.pp):
+        raise UsageError(
+            f"--nproc {args.ranks} ranks cannot hold TP={args.tp} x PP={args.pp} (dense) and EP={args.ep} x "
+            f"PP={args.pp} (experts); use a multiple of both"
+        )
+    if args.base is None and args.preset != DEFAULT_PRESET:  # the default needs no check (nor transformers' import)
+        from tiny_models.presets import PRESETS
+
+        if args.preset not in PRESETS:
+            raise UsageError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+
+
 def cmd_qualify(args: argparse.Namespace) -> int:
     from impl.cli.qualify import DefaultBase, QualifyOptions, run_qualify, versions
 
+    targets, nproc = args.target_list, args.ranks
     out = _output_dir(args.out)
-    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
-    if not targets:
-        raise UsageError(f"--targets {args.targets!r} names no target; give comma-separated names such as wq_a,wo_b")
-    nproc = args.nproc or args.tp * args.pp * args.ep
-    if nproc % (args.tp * args.pp) or nproc % (args.ep * args.pp):
-        raise UsageError(
-            f"--nproc {nproc} ranks cannot hold TP={args.tp} x PP={args.pp} (dense) and EP={args.ep} x PP={args.pp} "
-            "(experts); use a multiple of both"
-        )
     base, default_base = args.base, None
     if base is None:
         base = str(out / "base")
@@ -151,14 +163,16 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     if args.base:
         from impl.conversion.base_dir import inspect_base
 
-        read = inspect_base(args.base)
+        read = inspect_base(args.base, transformers_config=True)
         if not read.ok:
             return _print_problems([p.message for p in read.problems])
         report = coverage_report(Path(args.base), layout=args.layout)
     else:
         from tiny_models.manifest import manifest
-        from tiny_models.presets import flash_config, get_preset, pro_config
+        from tiny_models.presets import PRESETS, flash_config, get_preset, pro_config
 
+        if args.manifest not in ("flash", "pro", *PRESETS):
+            raise UsageError(f"--manifest {args.manifest!r}: choose flash, pro or a tiny preset {sorted(PRESETS)}")
         cfg = {"flash": flash_config, "pro": pro_config}.get(args.manifest)
         cfg = cfg() if cfg else get_preset(args.manifest)
         report = coverage_report(
@@ -208,7 +222,9 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         "export, PEFT reload on transformers, logits comparison. Exits 1 if any check fails.",
     )
     q.add_argument("--base", help="official-layout checkpoint directory (default: write a tiny base into --out)")
-    q.add_argument("--preset", default="tiny-mixed", help="tiny preset for the default base (default: tiny-mixed)")
+    q.add_argument(
+        "--preset", default=DEFAULT_PRESET, help=f"tiny preset for the default base (default: {DEFAULT_PRESET})"
+    )
     q.add_argument("--targets", default=",".join(table.main_names), help="comma-separated LoRA targets")
     q.add_argument("--rank", type=_positive(int), default=8, help="LoRA rank r (default 8)")
     q.add_argument("--alpha", type=_positive(float), default=16.0, help="LoRA alpha (default 16)")
@@ -235,7 +251,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     q.add_argument("--timeout", type=_positive(float), default=900.0, help="seconds before every rank is stopped")
     q.add_argument("--out", default="out/qualify", help="output directory (adapter, base, report)")
     q.add_argument("--json", default=None, help="JSON report path (default OUT/qualify.json)")
-    q.set_defaults(func=cmd_qualify)
+    q.set_defaults(func=cmd_qualify, check_usage=check_qualify_usage)
 
     v = sub.add_parser(
         "verify-adapter",
@@ -281,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import impl  # noqa: F401  (CPU compat layer before any megatron import)
 
+    if getattr(args, "check_usage", None) is not None:  # before the log or --out is created
+        try:
+            args.check_usage(args)
+        except UsageError as exc:
+            output.problem(f"dsv4-lora {args.command}: error: {exc}")
+            return EXIT_USAGE
     # Only qualify's --out is a report directory; export's is the adapter, which must hold nothing else.
     report_dir = args.out if args.command == "qualify" else None
     if report_dir is not None and args.log is None:

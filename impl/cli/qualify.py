@@ -539,7 +539,7 @@ def _base_checks(base: Path) -> list[Check]:
     from impl.errors import Dsv4Error
 
     t0 = time.perf_counter()
-    checks = _header_checks(inspect_base(base))
+    checks = _header_checks(inspect_base(base, transformers_config=True))
     if not _passed(checks):
         return checks
     try:

@@ -79,7 +79,11 @@ def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = Fal
         res.checks.append(VerifyCheck(report.name, not report.problems, report.figure))
     if forward and res.ok:
         cfg = view.config
-        res.checks.append(_forward_check(base, adapter, view.modules, cfg["r"], cfg["lora_alpha"], res))
+        try:
+            res.checks.append(_forward_check(base, adapter, view.modules, cfg["r"], cfg["lora_alpha"], res))
+        except Exception as exc:  # transformers / PEFT refusing this base or adapter is a finding about them
+            res.problems.append(f"{base}: the forward check could not run ({type(exc).__name__}: {exc})")
+            res.checks.append(VerifyCheck("forward", False, "could not run"))
     elif forward:
         res.checks.append(VerifyCheck("forward", None, "skipped: the adapter or base has problems"))
     return res

@@ -9,6 +9,7 @@ error. Headers only, so a full-size base costs milliseconds. Plain Python and sa
 |---|---|
 | ``directory`` | the base path does not exist or is not a directory |
 | ``config`` | ``config.json`` missing, unreadable, not a JSON object, not DeepSeek-V4, or lacking a required key |
+| ``transformers_config`` | (when asked) transformers' ``DeepseekV4Config`` rejects a value |
 | ``shards`` | no shard; the index is invalid, names a shard that is absent, or omits one that is present |
 | ``headers`` | a shard is not a readable safetensors file (truncated, corrupt); a tensor sits in two shards, or in |
 |  | another shard than the index says |
@@ -122,6 +123,17 @@ def _config(base: BaseDir) -> Iterator[Problem]:
         yield Problem(ConfigFileError, f"{file}: missing key(s) {', '.join(missing)}")
 
 
+def _transformers_config(base: BaseDir) -> Iterator[Problem]:
+    """``config.json`` as transformers reads it (what coverage, qualify and the ranks build from)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(base.path))
+    except Exception as exc:  # transformers' validators raise several types; each is a finding about this file
+        first = str(exc).strip().splitlines() or [type(exc).__name__]
+        yield Problem(ConfigFileError, f"{base.path / CONFIG_FILE}: transformers rejects it ({' '.join(first[:2])})")
+
+
 def _index(base: BaseDir) -> dict[str, str] | None:
     """The index's weight map (raises ConfigFileError when the index is there but unusable); None without one."""
     file = base.path / INDEX_FILE
@@ -195,10 +207,15 @@ BASE_STEPS: tuple[tuple[str, Callable[[BaseDir], Iterator[Problem]], bool], ...]
 )
 
 
-def inspect_base(path: str | Path) -> BaseDir:
-    """Read a base directory's config and headers, listing every problem (never raises on a bad base)."""
+def inspect_base(path: str | Path, *, transformers_config: bool = False) -> BaseDir:
+    """Read a base directory's config and headers, listing every problem (never raises on a bad base).
+    ``transformers_config``: also have transformers parse ``config.json`` (for commands that build from it; the
+    header-only ``verify-adapter`` does not need it)."""
     base = BaseDir(Path(path))
-    for _, step, blocking in BASE_STEPS:
+    steps = list(BASE_STEPS)
+    if transformers_config:
+        steps.insert(2, ("transformers_config", _transformers_config, True))
+    for _, step, blocking in steps:
         found = list(step(base))
         base.problems += found
         if found and blocking:
