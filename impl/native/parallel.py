@@ -2,7 +2,7 @@
 
 Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` read a ``ModelParallelConfig``; the native
 modules read :class:`~impl.native.config.V4Config`. :func:`megatron_parallel_config` bridges the two (no fused
-kernels, no sequence parallelism).
+kernels, no sequence parallelism; rope fusion as :func:`impl.native.rope.decide_rope_fusion` decides).
 
 Placement is decided once, by :func:`cpu_initialization`: on a CUDA host the config asks for GPU initialization,
 so Megatron's parallel layers allocate on ``torch.cuda.current_device()`` and Megatron-Bridge's ``get_model`` moves
@@ -25,6 +25,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from impl.native.config import V4Config
+from impl.native.rope import NATIVE_ROPE_FUSED
 
 __all__ = [
     "DEFAULT_INIT_STD",
@@ -105,5 +106,6 @@ def megatron_parallel_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        # the native rope is never Megatron's; the config states what the graph does (impl.native.rope)
+        apply_rope_fusion=NATIVE_ROPE_FUSED,
     )
