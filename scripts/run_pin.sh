@@ -21,6 +21,7 @@ if [ "$PIN" = independent ]; then
   env_name=independent
   pp="$PWD/fixtures/no_megatron${PYTHONPATH:+:$PYTHONPATH}"
   marks="cpu and pin_independent"
+  pin_env=(DSV4_NO_MEGATRON=1)  # the impl fixture then skips the megatron shims (fixtures/impl_loader.py)
 else
   pp=$(scripts/pin_overlay.sh "$PIN")
   IFS=. read -r major minor _ <<<"$PIN"
