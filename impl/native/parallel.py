@@ -16,14 +16,16 @@ from __future__ import annotations
 import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
 
 # isort: split
+import inspect
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from impl.errors import UnsupportedConfigError
 from impl.native.config import V4Config
 from impl.native.rope import NATIVE_ROPE_FUSED
 
@@ -34,6 +36,7 @@ __all__ = [
     "normal_init",
     "place_on_init_device",
     "resolve_tp_group",
+    "vocab_parallel_loss",
 ]
 
 DEFAULT_INIT_STD = 0.02
@@ -109,3 +112,20 @@ def megatron_parallel_config(
         # the native rope is never Megatron's; the config states what the graph does (impl.native.rope)
         apply_rope_fusion=NATIVE_ROPE_FUSED,
     )
+
+
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Megatron's vocab-parallel cross entropy over ``tp_group``.
+
+    Megatron-Core before 0.19 takes no ``tp_group`` and always reduces over its own tensor-parallel group, which is
+    the same reduction when ``tp_group`` is that group (or there is none); any other group is refused by name.
+    """
+    loss = tensor_parallel.vocab_parallel_cross_entropy
+    if "tp_group" in inspect.signature(loss).parameters:
+        return loss(logits, labels, tp_group=tp_group)
+    if tp_group is not None and tp_group is not parallel_state.get_tensor_model_parallel_group():
+        raise UnsupportedConfigError(
+            "this megatron-core's vocab_parallel_cross_entropy reduces over Megatron's own tensor-parallel group "
+            "only (no tp_group argument before 0.19); build the model on that group or install megatron-core >= 0.19"
+        )
+    return loss(logits, labels)
