@@ -183,6 +183,8 @@ def build_native_model(
         virtual_pipeline_model_parallel_size=vpp,
         pipeline_layout=pipeline_layout,
         include_mtp=include_mtp,
+        # stated here too: Megatron-Bridge 0.5.x's get_model does not set it from the bf16 flag below (0.6 does)
+        params_dtype=params_dtype,
         activations=activations or ActivationPlan(),
         apply_rope_fusion=apply_rope_fusion,
     )
