@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from fixtures.impl_loader import load_impl, resolve_impl_name
+from fixtures.pins import PIN_INDEPENDENT
 
 pytest_plugins = ["fixtures.checkpoints", "fixtures.rank_session", "fixtures.sparse_checkpoint"]
 
@@ -24,6 +25,7 @@ MARKERS = {
     "slow": "takes more than a few seconds",
     "bench": "a benchmark that prints figures; never asserts on time",
     "multirank": "spawns several ranks through fixtures.multirank",
+    "pin_independent": "never imports megatron: runs once, not per Megatron-Bridge pin (fixtures/pins.py)",
 }
 
 settings.register_profile(
@@ -133,6 +135,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "tests without one of the markers " + ", ".join(REQUIRED_MARKERS) + ":\n  " + "\n  ".join(unmarked)
         )
     _apply_xfails_file(config, items)
+    for item in items:
+        if item.nodeid.split("::")[0] in PIN_INDEPENDENT:
+            item.add_marker(pytest.mark.pin_independent)
     if not _cuda_available() and not config.getoption("rehearse"):
         skip = pytest.mark.skip(
             reason="needs CUDA: torch.cuda.is_available() is False on this host "

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from impl.conversion.hardware import FusedKernelDefaults, fused_kernel_defaults
 from impl.conversion.pipeline import Layout, generate_pipeline_layout, validate_pipeline_layout
 from impl.errors import UnsupportedConfigError
@@ -32,6 +34,7 @@ __all__ = [
     "TinyModel",
     "deepseek_v4_flash_lora_recipe",
     "deepseek_v4_pro_lora_recipe",
+    "sft_fused_kernel_defaults",
     "tiny_variant",
     "to_qualify_args",
 ]
@@ -130,6 +133,12 @@ class OptimizerSettings:
     bf16: bool = True  # upstream SFT is Adam/bf16 only (MXFP8 and Muon SFT fail upstream)
 
 
+def sft_fused_kernel_defaults() -> FusedKernelDefaults:
+    """The hardware gate's defaults as upstream's Flash SFT recipes use them (#4131): fused mHC where the gate says,
+    DSA always unfused (they set ``apply_dsa_kernel_fusion=False`` on every host)."""
+    return replace(fused_kernel_defaults(), apply_dsa_kernel_fusion=False)
+
+
 @dataclass(frozen=True)
 class DeepseekV4LoRARecipe:
     """Everything a DeepSeek-V4 LoRA run needs; validated on construction (raises UnsupportedConfigError)."""
@@ -149,7 +158,10 @@ class DeepseekV4LoRARecipe:
     lora_alpha: float = 32.0
     lora_dropout: float = 0.05
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    fused: FusedKernelDefaults = field(default_factory=fused_kernel_defaults)
+    fused: FusedKernelDefaults = field(default_factory=sft_fused_kernel_defaults)
+    # #4305: upstream's Flash SFT recipes fuse rope on every host, with no hardware gate (unlike fused mHC), once
+    # #4271 kept the full rope width. The native graph says when it runs unfused (impl.native.rope fallbacks).
+    apply_rope_fusion: bool = True
     micro_batch_size: int = 1
     global_batch_size: int = 128
     seq_length: int = 4096  # Megatron-Bridge's V4 provider default
@@ -238,6 +250,31 @@ class DeepseekV4LoRARecipe:
         }
 
     @property
+    def expert_tensor_parallel_size(self) -> int:
+        """1: the native experts are whole on their EP rank (never split over TP)."""
+        return 1
+
+    @property
+    def context_parallel_size(self) -> int:
+        """1: the native attention sees the whole sequence on every rank."""
+        return 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """False: the native parallel linears run without sequence parallelism (impl.native.parallel)."""
+        return False
+
+    @property
+    def packed_sequences(self) -> bool:
+        """False: samples are unpacked ``[batch, seq]`` (SBHD upstream), never packed THD."""
+        return False
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The base weights' and adapters' dtype (also the pipeline's activation dtype)."""
+        return torch.bfloat16 if self.optimizer.bf16 else torch.float32
+
+    @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
@@ -293,7 +330,7 @@ def deepseek_v4_flash_lora_recipe(
         ep=ep,
         vpp=vpp,
         pipeline_layout=_layout_for(FLASH_SHAPE, pp * (vpp or 1), include_mtp=True),
-        fused=fused_kernel_defaults(),
+        fused=sft_fused_kernel_defaults(),
         checkpoint=_checkpoint_from_env(),
     )
 
@@ -319,7 +356,7 @@ def deepseek_v4_pro_lora_recipe(
         pp=pp,
         ep=ep,
         pipeline_layout=_layout_for(PRO_SHAPE, pp, include_mtp=True),
-        fused=fused_kernel_defaults(),
+        fused=sft_fused_kernel_defaults(),
         global_batch_size=256,
     )
 
@@ -350,7 +387,7 @@ def tiny_variant(
         ep=ep,
         vpp=None,
         pipeline_layout=_layout_for(model, pp, base.include_mtp),
-        fused=fused_kernel_defaults(),
+        fused=sft_fused_kernel_defaults(),
         micro_batch_size=1,
         global_batch_size=2 * dp,
         seq_length=tiny.seq_length,

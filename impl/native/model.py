@@ -31,7 +31,13 @@ from impl.native.layer import DeepseekV4DecoderLayer
 from impl.native.moe import expert_parallel_layout
 from impl.native.mtp import DeepseekV4MTPBlock
 from impl.native.norm import RMSNorm
-from impl.native.parallel import megatron_parallel_config, normal_init, place_on_init_device, resolve_tp_group
+from impl.native.parallel import (
+    megatron_parallel_config,
+    normal_init,
+    place_on_init_device,
+    resolve_tp_group,
+    vocab_parallel_loss,
+)
 
 __all__ = ["DeepseekV4NativeModel", "GlobalLayerList", "validate_parallel_layout"]
 
@@ -217,7 +223,7 @@ class DeepseekV4NativeModel(MegatronModule):
     def _head(self, y: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         logits_parallel, _ = self.output_layer(y)
         if labels is not None:
-            return tensor_parallel.vocab_parallel_cross_entropy(logits_parallel.float(), labels, tp_group=self.tp_group)
+            return vocab_parallel_loss(logits_parallel.float(), labels, self.tp_group)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             logits_parallel = tensor_parallel.gather_from_tensor_model_parallel_region(
                 logits_parallel, group=self.tp_group

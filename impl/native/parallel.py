@@ -2,7 +2,7 @@
 
 Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` read a ``ModelParallelConfig``; the native
 modules read :class:`~impl.native.config.V4Config`. :func:`megatron_parallel_config` bridges the two (no fused
-kernels, no sequence parallelism).
+kernels, no sequence parallelism; rope fusion as :func:`impl.native.rope.decide_rope_fusion` decides).
 
 Placement is decided once, by :func:`cpu_initialization`: on a CUDA host the config asks for GPU initialization,
 so Megatron's parallel layers allocate on ``torch.cuda.current_device()`` and Megatron-Bridge's ``get_model`` moves
@@ -16,15 +16,18 @@ from __future__ import annotations
 import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
 
 # isort: split
+import inspect
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from impl.errors import UnsupportedConfigError
 from impl.native.config import V4Config
+from impl.native.rope import NATIVE_ROPE_FUSED
 
 __all__ = [
     "DEFAULT_INIT_STD",
@@ -33,6 +36,7 @@ __all__ = [
     "normal_init",
     "place_on_init_device",
     "resolve_tp_group",
+    "vocab_parallel_loss",
 ]
 
 DEFAULT_INIT_STD = 0.02
@@ -105,5 +109,23 @@ def megatron_parallel_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        # the native rope is never Megatron's; the config states what the graph does (impl.native.rope)
+        apply_rope_fusion=NATIVE_ROPE_FUSED,
     )
+
+
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Megatron's vocab-parallel cross entropy over ``tp_group``.
+
+    Megatron-Core before 0.19 takes no ``tp_group`` and always reduces over its own tensor-parallel group, which is
+    the same reduction when ``tp_group`` is that group (or there is none); any other group is refused by name.
+    """
+    loss = tensor_parallel.vocab_parallel_cross_entropy
+    if "tp_group" in inspect.signature(loss).parameters:
+        return loss(logits, labels, tp_group=tp_group)
+    if tp_group is not None and tp_group is not parallel_state.get_tensor_model_parallel_group():
+        raise UnsupportedConfigError(
+            "this megatron-core's vocab_parallel_cross_entropy reduces over Megatron's own tensor-parallel group "
+            "only (no tp_group argument before 0.19); build the model on that group or install megatron-core >= 0.19"
+        )
+    return loss(logits, labels)

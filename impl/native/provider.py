@@ -30,6 +30,7 @@ from impl.native.activations import ActivationPlan
 from impl.native.config import V4Config
 from impl.native.model import DeepseekV4NativeModel, validate_parallel_layout
 from impl.native.parallel import cpu_initialization
+from impl.native.rope import RopeFusion, decide_rope_fusion
 
 #: Megatron's default ``--seed``; used only when a GPU build finds the model-parallel RNG unseeded.
 DEFAULT_SEED = 1234
@@ -63,10 +64,12 @@ class DeepseekV4NativeProvider(ModelProviderMixin[DeepseekV4NativeModel]):
     include_mtp: bool = False
     params_dtype: torch.dtype = torch.float32
     activations: ActivationPlan = field(default_factory=ActivationPlan)
+    apply_rope_fusion: bool = False  # the recipe's request; ``rope_fusion`` says what the graph does with it
     fp16: bool = False
     bf16: bool = False
     v4_config: V4Config | None = field(default=None, init=False)
     resolved_layout: Layout | None = field(default=None, init=False)
+    rope_fusion: RopeFusion | None = field(default=None, init=False)
 
     def finalize(self) -> None:
         require_deepseek_v4_config(self.hf_config)
@@ -84,6 +87,7 @@ class DeepseekV4NativeProvider(ModelProviderMixin[DeepseekV4NativeModel]):
             num_hash_layers=cfg.num_hash_layers,
             mtp_layers=mtp,
         )
+        self.rope_fusion = decide_rope_fusion(self.apply_rope_fusion)
         self.v4_config = cfg
 
     def stage_index(self, vp_stage: int | None) -> int:
@@ -150,11 +154,14 @@ def build_native_model(
     multi_lora: bool = False,
     params_dtype: torch.dtype = torch.float32,
     activations: ActivationPlan | None = None,
+    apply_rope_fusion: bool = False,
 ) -> list[MegatronModule]:
     """Build this rank's V4 model chunks; run ``pre_wrap_hooks`` (e.g. LoRA) before any DDP wrapping.
 
     ``activations`` (:class:`impl.native.activations.ActivationPlan`) sets recompute and the attention's
-    query-block path. ``params_dtype`` is float32 or bfloat16 (the recipe's). In bf16 the weights (and LoRA adapters) are bf16 while
+    query-block path. ``apply_rope_fusion`` is the recipe's request (the provider's ``rope_fusion`` records the
+    decision; the native graph falls back with a named reason, :data:`impl.native.rope.ROPE_FUSION_FALLBACKS`).
+    ``params_dtype`` is float32 or bfloat16 (the recipe's). In bf16 the weights (and LoRA adapters) are bf16 while
     the tensors the checkpoint keeps in fp32 stay fp32 (``attn_sink``, ``ape``, ``hc_*``, the expert bias); the
     default DDP config then reduces gradients into fp32 ``main_grad`` buffers (``grad_reduce_in_fp32``), and
     Megatron's optimizer keeps fp32 master weights (:func:`impl.adapter_optimizer`), as Megatron does for bf16.
@@ -176,7 +183,10 @@ def build_native_model(
         virtual_pipeline_model_parallel_size=vpp,
         pipeline_layout=pipeline_layout,
         include_mtp=include_mtp,
+        # stated here too: Megatron-Bridge 0.5.x's get_model does not set it from the bf16 flag below (0.6 does)
+        params_dtype=params_dtype,
         activations=activations or ActivationPlan(),
+        apply_rope_fusion=apply_rope_fusion,
     )
     provider.finalize()
     _check_parallel_state(tp, ep, pp)

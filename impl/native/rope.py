@@ -5,17 +5,101 @@ Ratio-0 (sliding-only and MTP) layers use ``rope_theta`` without YaRN; compresse
 (mscale) correction. The rotary width is always ``rope_head_dim`` (``qk_rope_head_dim``), never a
 ``rotary_percent`` of the head dim. Op order follows transformers' ``DeepseekV4RotaryEmbedding`` /
 ``apply_rotary_pos_emb`` so fp32 results agree bit for bit.
+
+Rope fusion (Megatron's ``apply_rope_fusion``, on in upstream's V4 SFT recipes since #4305) is asked for by the
+recipe and decided by :func:`decide_rope_fusion`: the native graph runs this PyTorch rope and names why
+(:data:`ROPE_FUSION_FALLBACKS`) whenever fusion was asked for.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass
 
 import torch
 
 from impl.native.config import V4Config
 
-__all__ = ["apply_interleaved_rope", "rope_cos_sin", "rope_inv_freq"]
+__all__ = [
+    "NATIVE_ROPE_FUSED",
+    "ROPE_FUSION_FALLBACKS",
+    "RopeFusion",
+    "RopeFusionFallback",
+    "RopeFusionFallbackWarning",
+    "apply_interleaved_rope",
+    "decide_rope_fusion",
+    "rope_cos_sin",
+    "rope_inv_freq",
+]
+
+
+@dataclass(frozen=True)
+class RopeFusionFallback:
+    """Why the native graph runs its rope unfused although the recipe asked for fusion."""
+
+    name: str
+    reason: str
+
+
+#: The reasons, in the order they are checked (the first that holds is the one named).
+ROPE_FUSION_FALLBACKS: dict[str, RopeFusionFallback] = {
+    row.name: row
+    for row in (
+        RopeFusionFallback(
+            "no-cuda",
+            "fused rope kernels (Transformer Engine's fused_apply_rotary_pos_emb, Megatron-Core's fused MLA YaRN "
+            "rope) run on CUDA only",
+        ),
+        RopeFusionFallback(
+            "no-v4-kernel",
+            "no fused kernel covers V4's rope: interleaved pairs on the trailing rope_head_dim channels of q, kv, "
+            "the compressor and the indexer, and the conjugate rotation of the attention output; Transformer "
+            "Engine's fused rope rotates the leading channels and Megatron-Core's fused MLA rope reads MLA's "
+            "separate q/k positional parts, so the native graph keeps this rope (the reference's numerics)",
+        ),
+    )
+}
+
+
+class RopeFusionFallbackWarning(UserWarning):
+    """Rope fusion was asked for and the native graph runs unfused; the message names the fallback row."""
+
+
+#: Whether the native graph has a fused rope path (it has none: :data:`ROPE_FUSION_FALLBACKS`).
+NATIVE_ROPE_FUSED = False
+
+
+@dataclass(frozen=True)
+class RopeFusion:
+    """What became of a rope-fusion request: ``applied``, or the ``fallback`` that says why not."""
+
+    requested: bool
+    applied: bool
+    fallback: RopeFusionFallback | None = None
+
+
+def decide_rope_fusion(requested: bool) -> RopeFusion:
+    """The native graph's answer to ``apply_rope_fusion=requested`` on this host (warns when it falls back)."""
+    decision = _rope_fusion(requested)
+    if decision.fallback is not None:
+        warnings.warn(
+            f"apply_rope_fusion=True: the native DeepSeek-V4 graph runs its rope unfused "
+            f"({decision.fallback.name}): {decision.fallback.reason}",
+            RopeFusionFallbackWarning,
+            stacklevel=2,
+        )
+    return decision
+
+
+def _rope_fusion(requested: bool) -> RopeFusion:
+    if not requested:
+        return RopeFusion(requested=False, applied=False)
+    if not torch.cuda.is_available():
+        return RopeFusion(requested=True, applied=False, fallback=ROPE_FUSION_FALLBACKS["no-cuda"])
+    if not NATIVE_ROPE_FUSED:
+        return RopeFusion(requested=True, applied=False, fallback=ROPE_FUSION_FALLBACKS["no-v4-kernel"])
+    return RopeFusion(requested=True, applied=True)
 
 
 def rope_inv_freq(cfg: V4Config, *, compressed: bool, device: torch.device | None = None) -> torch.Tensor:
