@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from impl.cli import output
 from impl.cli.consumer_check import add_consumer_arguments, add_export_parser
@@ -253,6 +254,13 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     q.add_argument("--json", default=None, help="JSON report path (default OUT/qualify.json)")
     q.set_defaults(func=cmd_qualify, check_usage=check_qualify_usage)
 
+    _add_verify_parser(sub, common)
+    add_export_parser(sub, parents=[common])
+    _add_coverage_parser(sub, common)
+    return parser
+
+
+def _add_verify_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     v = sub.add_parser(
         "verify-adapter",
         parents=[common],
@@ -266,8 +274,9 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     v.add_argument("--forward", action="store_true", help="also run the tiny logits check (small bases only)")
     add_consumer_arguments(v, export=False)
     v.set_defaults(func=cmd_verify_adapter)
-    add_export_parser(sub, parents=[common])
 
+
+def _add_coverage_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     c = sub.add_parser(
         "coverage",
         parents=[common],
@@ -287,7 +296,6 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         "dsv4_hybrid (Megatron-Bridge's DeepSeekV4Bridge names)",
     )
     c.set_defaults(func=cmd_coverage)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ ORACLE_PACKAGES = ("tiny_models", "fixtures")
 ALLOWED = {
     ("cli/qualify.py", "tiny_models.checkpoint", "write_checkpoint"),
     ("cli/main.py", "tiny_models.manifest", "manifest"),
+    ("cli/main.py", "tiny_models.presets", "PRESETS"),  # --preset / --manifest names checked before anything runs
     ("cli/main.py", "tiny_models.presets", "flash_config"),
     ("cli/main.py", "tiny_models.presets", "get_preset"),
     ("cli/main.py", "tiny_models.presets", "pro_config"),
