@@ -112,6 +112,14 @@ def test_coverage_prints_only_its_own_lines(cli, verbose_run, source):
     assert_quiet(result, f"coverage {source}")
 
 
+def test_export_for_a_consumer_prints_only_its_own_lines(cli, verbose_run, tmp_path):
+    out, _ = verbose_run
+    dest = tmp_path / "for-peft"
+    result = cli("export", "--adapter", out / "adapter", "--out", dest, "--consumer", "peft")
+    assert_quiet(result, "export --consumer peft")
+    assert not (dest / LOG_NAME).exists(), "the export's log landed inside the published adapter"
+
+
 def test_bad_input_is_a_problem_line_naming_the_file_and_no_traceback(cli, tmp_path):
     base = tmp_path / "base"
     base.mkdir()
