@@ -272,33 +272,15 @@ def _consumer_record(module_names: list[str], opts: BuildOptions, d: Dialect) ->
 
 
 def publish_in_memory(
-    adapter_state: AdapterState | Mapping[str, AdapterState],
-    *,
-    dialect: str = "transformers",
-    base_model_name_or_path: str | None = None,
-    base_fingerprint: Mapping[str, Any] | None = None,
-    base_shapes: Mapping[str, Sequence[int]] | None = None,
-    mtp: str = "reject",
-    consumer: str | None = None,
-    consumer_version: str | None = None,
-    allow_unapplied: bool = False,
+    adapter_state: AdapterState | Mapping[str, AdapterState], **options: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """PEFT-named adapter tensors and ``adapter_config.json`` dict, for trainer -> rollout weight sync.
 
     Exactly what :func:`impl.adapter.export.export_adapter` writes (same validation); raises an
     :class:`ExportError` subclass naming the offending tensor on empty/partial/mis-shaped/non-finite input, and
     a :class:`impl.errors.ConsumerSupportError` when ``consumer`` would not apply a target (``allow_unapplied``
-    exports anyway and records them in ``dsv4_consumer``)."""
-    opts = BuildOptions(
-        dialect,
-        base_model_name_or_path,
-        base_fingerprint,
-        base_shapes,
-        mtp,
-        consumer,
-        consumer_version,
-        allow_unapplied,
-    )
+    exports anyway and records them in ``dsv4_consumer``). ``options``: the fields of :class:`BuildOptions`."""
+    opts = BuildOptions(**options)
     built = build_adapter(adapter_state, opts)
     return built.tensors, built.config
 

@@ -120,17 +120,10 @@ def export_adapter(
     | Mapping[str, AdapterState],
     out_dir: str | os.PathLike,
     *,
-    dialect: str = "transformers",
-    base_model_name_or_path: str | None = None,
-    base_fingerprint: Mapping[str, Any] | None = None,
-    base_shapes: Mapping[str, Sequence[int]] | None = None,
-    mtp: str = "reject",
-    consumer: str | None = None,
-    consumer_version: str | None = None,
-    allow_unapplied: bool = False,
     writer_rank: int = 0,
     timeout_s: float = 300.0,
     phases: PhaseTable = EXPORT_PHASES,
+    **options: Any,
 ) -> Path:
     """Collective adapter-only export to ``out_dir`` (a PEFT directory + ``.complete``); returns ``out_dir``.
 
@@ -139,7 +132,8 @@ def export_adapter(
     None), or the state itself. On any failure on any rank, every surviving rank raises the same
     :class:`CollectiveExportError` naming each failing rank, and ``out_dir`` is left exactly as it was.
     ``timeout_s`` bounds each phase's wait for peers; it must exceed the slowest phase. ``phases``:
-    :data:`EXPORT_PHASES` or a copy with phases wrapped (same names, same order).
+    :data:`EXPORT_PHASES` or a copy with phases wrapped (same names, same order). ``options``: how the state is
+    published, the fields of :class:`impl.adapter.build.BuildOptions` (``dialect``, ``base_fingerprint``, ``mtp``...).
 
     ``consumer`` (``"vllm"``, ``"sglang"``, ``"peft"`` or one engine of :data:`impl.adapter.consumers.CONSUMER_RULES`,
     at ``consumer_version``): the serialize phase judges every exported target by that consumer's rules and fails
@@ -151,16 +145,7 @@ def export_adapter(
     ex = _Exchange(timeout_s)
     if not 0 <= writer_rank < ex.world:
         raise ExportError(f"writer_rank={writer_rank} is outside the world of {ex.world} ranks")
-    options = BuildOptions(
-        dialect,
-        base_model_name_or_path,
-        base_fingerprint,
-        base_shapes,
-        mtp,
-        consumer,
-        consumer_version,
-        allow_unapplied,
-    )
+    options = BuildOptions(**options)
     out = Path(os.path.abspath(out_dir))
     ctx = ExportContext(ex.rank, ex.world, ex.rank == writer_rank, out, adapter_phase, options)
     for phase, run in phases:
