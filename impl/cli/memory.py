@@ -16,9 +16,10 @@ layer's). ``OVERHEAD_BYTES`` stands for the CUDA context, NCCL buffers and alloc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from impl.native.activations import ActivationPlan
 
 __all__ = [
     "OVERHEAD_BYTES",
@@ -37,9 +38,10 @@ ADAPTER_BYTES_PER_ELEMENT = {2: 2 + 4 + 4 + 8, 4: 4 + 4 + 8}
 FP32 = 4
 
 
-@dataclass(frozen=True)
-class ActivationShape:
-    """What one micro-batch on one rank looks like to the activation model."""
+@dataclass(frozen=True, kw_only=True)
+class ActivationShape(ActivationPlan):
+    """What one micro-batch on one rank looks like to the activation model: the shape, the adapters, and the
+    activation plan it runs under (the plan's fields and checks, :class:`ActivationPlan`)."""
 
     micro_batch: int
     seq_len: int
@@ -48,19 +50,10 @@ class ActivationShape:
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
     lora_dropout: float = 0.0
-    recompute_granularity: str | None = None
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
-    recompute_modules: tuple[str, ...] = ()
-    attention_chunk_threshold: int = 1024
-    attention_query_block: int = 256
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
-
-    def selective(self, module: str) -> bool:
-        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
 
 def _hc_site(cfg: Any, a: ActivationShape) -> int:
@@ -85,7 +78,7 @@ def _hc_pre(cfg: Any, a: ActivationShape) -> int:
 def _attention_core(cfg: Any, a: ActivationShape, entries: int, heads: int) -> int:
     """Scores, probabilities and the expanded keys, per query block (or once, eagerly)."""
     s, mb, b, hd = a.seq_len, a.micro_batch, a.dtype_bytes, cfg.head_dim
-    chunked = s > a.attention_chunk_threshold
+    chunked = a.uses_chunked_attention(s)
     blocks = (
         [(q0, min(s, q0 + a.attention_query_block)) for q0 in range(0, s, a.attention_query_block)]
         if chunked
@@ -188,16 +181,11 @@ def stage_activation_bytes(
     if a.recompute_granularity != "full":
         return sum(per_layer) + head_bytes, 0
     streams = a.tokens * cfg.hc_mult * cfg.hidden_size * a.dtype_bytes
-    if a.recompute_method == "uniform":
-        groups = math.ceil(len(layers) / a.recompute_num_layers)
-        biggest = max(
-            (sum(per_layer[i : i + a.recompute_num_layers]) for i in range(0, len(layers), a.recompute_num_layers)),
-            default=0,
-        )
-        return groups * streams + head_bytes, 2 * biggest
-    recomputed = min(a.recompute_num_layers, len(layers))
-    kept = recomputed * streams + sum(per_layer[recomputed:]) + head_bytes
-    return kept, 2 * max(per_layer[:recomputed], default=0)
+    # the groups the model checkpoints (the plan's own rule): a recomputed group keeps only its input streams
+    groups = a.checkpointed_layers(len(layers))
+    recomputed = [g for g in groups if all(a.layer_is_recomputed(i) for i in g)]
+    kept = sum(streams if g in recomputed else sum(per_layer[i] for i in g) for g in groups)
+    return kept + head_bytes, 2 * max((sum(per_layer[i] for i in g) for g in recomputed), default=0)
 
 
 # ------------------------------------------------------------------------------------------------- weights
