@@ -28,8 +28,8 @@ LOG_NAME = "dsv4-lora.log"
 def cli(impl):
     """Run the implementation's command line as a person does (``python -m <impl>.cli ...``)."""
 
-    def run_cli(*args: object, timeout: float = 600):
-        result = run([sys.executable, "-m", f"{impl.name}.cli", *map(str, args)], timeout=timeout)
+    def run_cli(*args: object, timeout: float = 600, env: dict[str, str] | None = None):
+        result = run([sys.executable, "-m", f"{impl.name}.cli", *map(str, args)], timeout=timeout, env=env)
         result.terminal = (result.stdout + result.stderr).splitlines()
         return result
 
@@ -76,6 +76,39 @@ def test_the_log_beside_the_report_holds_what_every_rank_wrote(two_rank_run):
     # Megatron prints the parameter count on each tensor-parallel rank: both ranks wrote into the log
     ranks = {m.group(1) for line in hidden if (m := re.search(r"model parallel rank \((\d+),", line))}
     assert ranks == {"0", "1"}, f"the log lacks a rank's own lines (saw tensor-parallel ranks {sorted(ranks)})"
+
+
+# Loaded by every interpreter the command starts: before a process sends anything over a multiprocessing pipe
+# (a rank reporting a finished step), it leaves a progress-bar line open on its stderr, as tqdm does mid-bar.
+OPEN_LINE_SITECUSTOMIZE = """
+import os
+from multiprocessing import connection
+
+_send = connection.Connection.send
+
+
+def send(self, obj):
+    os.write(2, b"\\rcrunching  50%|#####     | 1/2")
+    return _send(self, obj)
+
+
+connection.Connection.send = send
+"""
+
+
+def test_a_line_a_library_leaves_open_does_not_swallow_a_step_line(cli, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(OPEN_LINE_SITECUSTOMIZE)
+    out = tmp_path / "q"
+    result = cli("qualify", "--out", out, timeout=900, env={"PYTHONPATH": str(site)})
+    assert result.returncode == 0, "\n".join(result.terminal[-80:])
+    log_lines = (out / LOG_NAME).read_text(errors="replace").split("\n")
+    steps = [line for line in result.stdout.splitlines() if STEP_LINE.match(line)]
+    assert steps, f"no step lines on the terminal:\n{result.stdout}"
+    assert any("crunching  50%" in line for line in log_lines), "the open progress line never reached the log"
+    broken = [line for line in steps if line not in log_lines]
+    assert not broken, f"step lines that do not stand on a line of their own in the log: {broken}"
 
 
 @pytest.fixture(scope="module")

@@ -74,12 +74,43 @@ class _Tee(io.TextIOBase):
         return self.streams[0].isatty()
 
 
+class _OwnLines(io.RawIOBase):
+    """The log as the command's own lines reach it: each starts on a line of its own.
+
+    A library may have left a line open in the log (a progress bar redraws itself with ``\r`` and ends its line
+    only when done); a line of ours appended to it would read as the library's."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.at_line_start = True  # our own last write ended a line
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        data = bytes(data)
+        if self.at_line_start and data:
+            size = os.fstat(self.fd).st_size
+            if size and os.pread(self.fd, 1, size - 1) != b"\n":
+                os.write(self.fd, b"\n")
+        written = os.write(self.fd, data)
+        self.at_line_start = data[:written].endswith(b"\n")
+        return written
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self.fd)
+        super().close()
+
+
 class _Copier(threading.Thread):
-    """Verbose mode: copy what lands on descriptors 1 and 2 to the log and to the terminal, as it comes."""
+    """Verbose mode: copy what lands on descriptors 1 and 2 to the terminal as it comes, and to the log a whole
+    line at a time (two streams, or a stream and the command's own lines, never share a line there)."""
 
     def __init__(self, pairs: list[tuple[int, int]], log_fd: int):
         super().__init__(name="dsv4-lora-log-copier", daemon=True)
         self.pairs = dict(pairs)  # pipe read end -> terminal descriptor
+        self.open_lines = {fd: b"" for fd in self.pairs}  # what a stream wrote after its last newline
         self.log_fd = log_fd
         self.stopping = False
 
@@ -87,18 +118,30 @@ class _Copier(threading.Thread):
         while self.pairs:
             ready, _, _ = select.select(list(self.pairs), [], [], 0.1)
             if not ready and self.stopping:
-                return
+                break
             for fd in ready:
-                data = os.read(fd, 65536)
-                if not data:  # every writer closed it
-                    os.close(fd)
-                    del self.pairs[fd]
-                    continue
-                for target in (self.log_fd, self.pairs[fd]):
-                    try:
-                        os.write(target, data)
-                    except OSError:
-                        pass
+                self._copy(fd, os.read(fd, 65536))
+        for rest in self.open_lines.values():
+            if rest:
+                _write_quietly(self.log_fd, rest + b"\n")
+
+    def _copy(self, fd: int, data: bytes) -> None:
+        if not data:  # every writer closed it
+            os.close(fd)
+            del self.pairs[fd]
+            return
+        _write_quietly(self.pairs[fd], data)
+        lines, _, rest = (self.open_lines[fd] + data).rpartition(b"\n")
+        self.open_lines[fd] = rest
+        if lines:
+            _write_quietly(self.log_fd, lines + b"\n")
+
+
+def _write_quietly(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)
+    except OSError:  # the terminal went away: the command goes on
+        pass
 
 
 class Console:
@@ -114,13 +157,13 @@ class Console:
 
     def __enter__(self) -> Console:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
+        log_fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
         sys.stdout.flush()
         sys.stderr.flush()
         self._saved = (os.dup(1), os.dup(2))
         self.terminal = open(os.dup(self._saved[0]), "w", buffering=1, errors="replace")
         self.terminal_err = open(os.dup(self._saved[1]), "w", buffering=1, errors="replace")
-        self.log = open(os.dup(log_fd), "w", buffering=1, errors="replace")
+        self.log = io.TextIOWrapper(io.BufferedWriter(_OwnLines(os.dup(log_fd))), line_buffering=True, errors="replace")
         if self.verbose:
             pairs = []
             for fd, terminal in ((1, self._saved[0]), (2, self._saved[1])):
