@@ -88,7 +88,8 @@ class _GatherRowsAcrossTP(torch.autograd.Function):
 
 def _full_lora_a(adapter: ParallelLinearAdapter) -> torch.Tensor:
     weight = adapter.linear_in.weight
-    group = getattr(adapter, "tp_group", None)
+    # the group that splits lora_A's rows is its own layer's (Bridge 0.4's adapter has no tp_group of its own)
+    group = getattr(adapter.linear_in, "tp_group", None) or getattr(adapter, "tp_group", None)
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return weight
     return _GatherRowsAcrossTP.apply(weight, group)
