@@ -116,35 +116,65 @@ def test_multi_lora_export_is_unsupported(api) -> None:
         api.publish_in_memory(two)
 
 
-def test_a_staged_file_that_differs_from_the_validated_tensors_is_never_published(api, tmp_path, monkeypatch) -> None:
-    """The writer's output is re-read before publishing: one flipped byte in a tensor's data fails the export,
-    naming that tensor, and the earlier export stays as it was."""
+def _flip_last_data_byte(path) -> str:
+    """Flip one bit of the last byte of the tensor stored last; returns its name."""
     import json
     import struct
 
-    import safetensors.torch
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+        name, entry = max(header.items(), key=lambda kv: kv[1]["data_offsets"][1])
+        f.seek(8 + n + entry["data_offsets"][1] - 1)
+        last = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([last[0] ^ 0x01]))
+    return f"tensor {name} on disk differs"
 
+
+def _reorder_header(path) -> str:
+    """Rewrite the header with its entries in reverse order: the same tensors at the same offsets, the same
+    length, so every safetensors reader sees the same file, yet other bytes than the ones written."""
+    import json
+    import struct
+
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+        header = json.loads(raw)
+        text = json.dumps(dict(reversed(header.items())), separators=(",", ":"), ensure_ascii=False).encode()
+        assert len(text) <= n and text != raw.rstrip(b" "), "the header cannot be reordered in place"
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
+    return "header"
+
+
+@pytest.mark.parametrize("tamper", [_flip_last_data_byte, _reorder_header], ids=["tensor-bytes", "header-bytes"])
+def test_a_staged_file_that_differs_from_what_was_written_is_never_published(api, tmp_path, tamper) -> None:
+    """The writer's output is re-read before publishing: a flipped bit in a tensor's data, or a header that says
+    the same in other bytes (``.complete`` would certify a hash the file does not have), fails the export naming
+    what differs, and the earlier export stays as it was. The change is made between the write phase and the next."""
     out = tmp_path / "adapter"
     api.export_adapter(api.AdapterState(_good(), r=R, alpha=8.0), out)
     before = snapshot_tree(out)
-    real_save, flipped = safetensors.torch.save_file, []
+    said = []
 
-    def save_then_corrupt(tensors, filename, metadata=None):
-        real_save(tensors, filename, metadata=metadata)
-        with open(filename, "r+b") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
-            name, entry = max(header.items(), key=lambda kv: kv[1]["data_offsets"][1])
-            f.seek(8 + n + entry["data_offsets"][1] - 1)
-            last = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([last[0] ^ 0x01]))
-        flipped.append(name)
+    def write_then_tamper(run):
+        def phase(ctx) -> None:
+            run(ctx)
+            staged = [p for p in tmp_path.rglob("adapter_model.safetensors") if p.parent != out]
+            if staged:
+                said.append(tamper(staged[0]))
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_then_corrupt)
+        return phase
+
+    phases = tuple((name, write_then_tamper(run) if name == "write" else run) for name, run in api.EXPORT_PHASES)
     with pytest.raises(api.CollectiveExportError, match="phase validate") as info:
-        api.export_adapter(api.AdapterState(_good(), r=R, alpha=9.0), out)
-    assert flipped and f"tensor {flipped[0]} on disk differs" in str(info.value), str(info.value)
+        api.export_adapter(api.AdapterState(_good(), r=R, alpha=9.0), out, phases=phases)
+    assert said, (
+        "the write phase left no staged adapter_model.safetensors beside the destination: the test proves nothing"
+    )
+    assert said[0] in str(info.value), str(info.value)
     assert snapshot_tree(out) == before, "a corrupt staged adapter changed the destination"
 
 

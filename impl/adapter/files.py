@@ -42,26 +42,6 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def umask_mode() -> int:
-    """The mode ``open(path, "w")`` gives a new file under the process umask (0644 under umask 022)."""
-    try:  # Linux: read without the set-and-restore race of os.umask
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def follow_umask(path: Path) -> None:
-    """Give a file written through a private temporary (safetensors >= 0.6 ``save_file`` leaves 0600) the mode a
-    plain ``open`` would: a serving process under another user must be able to read a published adapter."""
-    os.chmod(path, umask_mode())
-
-
 def file_sha256(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes (what ``.complete`` certifies)."""
     h = hashlib.sha256()
@@ -131,10 +111,8 @@ __all__ = [
     "CONFIG_FILE",
     "config_text",
     "file_sha256",
-    "follow_umask",
     "fsync_path",
     "recover_export_dir",
     "sidecars",
-    "umask_mode",
     "write_marker",
 ]

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import safetensors.torch
 import torch
 
 from impl.adapter.build import AdapterState, BuildOptions, BuiltAdapter, EmptyAdapterError, build_adapter
@@ -27,7 +26,6 @@ from impl.adapter.files import (
     ADAPTER_FILE,
     CONFIG_FILE,
     config_text,
-    follow_umask,
     fsync_path,
     recover_export_dir,
     set_aside,
@@ -36,6 +34,7 @@ from impl.adapter.files import (
 )
 from impl.adapter.staged import StagedFileCheck, check_header
 from impl.adapter.validation import AdapterValidationError
+from impl.adapter.writer import HashedWrite, write_safetensors
 
 
 @dataclass
@@ -53,7 +52,8 @@ class ExportContext:
     payload: dict[str, torch.Tensor] | None = None
     payload_size: int = 0
     hashes: dict[str, str] = field(default_factory=dict)
-    check: StagedFileCheck | None = None  # started by the write phase
+    written: HashedWrite | None = None  # the staged adapter file: its header and its sha256, as written
+    check: StagedFileCheck | None = None  # started by the fsync phase
 
 
 def gather(ctx: ExportContext) -> None:
@@ -76,12 +76,9 @@ def write(ctx: ExportContext) -> None:
         staging, _, _ = sidecars(ctx.out_dir)
         ctx.out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
-        safetensors.torch.save_file(ctx.payload, str(staging / ADAPTER_FILE), metadata=ctx.built.metadata)
-        follow_umask(staging / ADAPTER_FILE)
+        ctx.written = write_safetensors(staging / ADAPTER_FILE, ctx.payload, ctx.built.metadata)
         with open(staging / CONFIG_FILE, "w") as f:
             f.write(config_text(ctx.built.config))
-        # The re-read check needs only the page cache, so it runs while the fsync phase waits for the disk.
-        ctx.check = StagedFileCheck(staging / ADAPTER_FILE, ctx.payload, ctx.built.sources)
 
 
 def fsync(ctx: ExportContext) -> None:
@@ -89,6 +86,8 @@ def fsync(ctx: ExportContext) -> None:
     syncs the parent after moving the old destination aside, before staging takes its place."""
     if ctx.writer:
         staging, _, _ = sidecars(ctx.out_dir)
+        # The re-read check needs only the page cache, so it runs while this phase waits for the disk.
+        ctx.check = StagedFileCheck(staging / ADAPTER_FILE, ctx.payload, ctx.built.sources, ctx.written)
         # Side by side: the small syncs join the adapter's journal commit instead of each waiting for one of its own.
         paths = (staging / ADAPTER_FILE, staging / CONFIG_FILE, staging)
         with ThreadPoolExecutor(max_workers=len(paths)) as pool:

@@ -1,9 +1,9 @@
 """The staged file check: before anything is published, the written adapter file is read back and must hold
-exactly the validated tensors, all finite; its sha256 is what ``.complete`` will certify."""
+exactly the bytes written (the validated tensors, all finite), so the sha256 taken as they were written is what
+``.complete`` will certify."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import threading
@@ -16,30 +16,33 @@ import torch
 from impl.adapter.build import EXPONENT_MASKS, BuiltAdapter, NonFiniteAdapterError, all_finite, finite_bits, raw_bytes
 from impl.adapter.files import ADAPTER_FILE
 from impl.adapter.validation import AdapterValidationError
+from impl.adapter.writer import ST_DTYPES, HashedWrite
 
 _CHUNK = 1 << 20  # compared and checked for NaN/Inf while in the CPU cache
 
 
 class StagedFileCheck:
     """Background re-read of a written safetensors file through one read-only mmap, started as soon as it is
-    written, so it runs while the fsync phase waits for the disk. One thread compares every tensor's bytes with the
-    in-memory tensor it must hold and checks those bytes for NaN/Inf in the same pass, chunk by chunk; another
-    computes the file's sha256 (both release the GIL). :meth:`verify` waits for the first and raises
-    :class:`AdapterValidationError` / :class:`NonFiniteAdapterError` (naming the native tensor, from ``sources``);
-    :meth:`digest` waits for the second, which may run on until the marker needs it."""
+    written, so it runs while the fsync phase waits for the disk: one thread compares the file's header bytes with
+    those written and every tensor's bytes with the in-memory tensor it must hold, checking those bytes for NaN/Inf
+    in the same pass, chunk by chunk (it releases the GIL). :meth:`verify` waits for it and raises
+    :class:`AdapterValidationError` / :class:`NonFiniteAdapterError` (naming the native tensor, from ``sources``).
+    The file then holds exactly the bytes the writer hashed as it wrote them: :meth:`digest` is their sha256."""
 
-    def __init__(self, path: Path, payload: Mapping[str, torch.Tensor], sources: Mapping[str, str]):
-        self.path, self.payload, self.sources = path, payload, sources
+    def __init__(
+        self,
+        path: Path,
+        payload: Mapping[str, torch.Tensor],
+        sources: Mapping[str, str],
+        written: HashedWrite,
+    ):
+        self.path, self.payload, self.sources, self.written = path, payload, sources, written
         self.errors: list[str] = []
         self.nonfinite: list[str] = []
-        self.hash_error = ""
-        self.sha256 = ""
         with open(path, "rb") as f:
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.comparing = threading.Thread(target=self._compare_guarded, daemon=True)
-        self.hashing = threading.Thread(target=self._hash_guarded, daemon=True)
         self.comparing.start()
-        self.hashing.start()
 
     def _compare_guarded(self) -> None:
         try:
@@ -47,14 +50,11 @@ class StagedFileCheck:
         except Exception as exc:  # reported by verify(), on the phase's own thread
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
-    def _hash_guarded(self) -> None:
-        try:
-            self.sha256 = hashlib.sha256(self.mm).hexdigest()
-        except Exception as exc:  # reported by digest(), on the phase's own thread
-            self.hash_error = f"{self.path}: hashing failed ({type(exc).__name__}: {exc})"
-
     def _compare(self) -> None:
         buf = np.frombuffer(self.mm, dtype=np.uint8)
+        if bytes(buf[: len(self.written.head)]) != self.written.head:
+            self.errors.append(f"{self.path}: the header on disk differs from the one written")
+            return
         (n,) = np.frombuffer(self.mm, dtype="<u8", count=1)
         header = json.loads(bytes(buf[8 : 8 + int(n)]))
         base = 8 + int(n)
@@ -86,15 +86,12 @@ class StagedFileCheck:
             )
 
     def digest(self) -> str:
-        """The file's sha256 (hex)."""
+        """The file's sha256 (hex); only after :meth:`verify` passed is it the hash of the file's bytes."""
         self.join()
-        if self.hash_error:
-            raise AdapterValidationError(self.hash_error)
-        return self.sha256
+        return self.written.digest()
 
     def join(self) -> None:
         self.comparing.join()
-        self.hashing.join()
         try:
             self.mm.close()
         except BufferError:  # a view survived in a traceback; the mapping goes with it
@@ -127,12 +124,9 @@ def check_header(path: Path, built: BuiltAdapter) -> None:
     with safe_open(str(path / ADAPTER_FILE), framework="pt") as f:
         got = {k: (list(sl.get_shape()), sl.get_dtype()) for k in f.keys() for sl in (f.get_slice(k),)}
         meta = f.metadata() or {}
-    want = {k: (list(v.shape), _ST_DTYPES.get(v.dtype, str(v.dtype))) for k, v in built.tensors.items()}
+    want = {k: (list(v.shape), ST_DTYPES.get(v.dtype, str(v.dtype))) for k, v in built.tensors.items()}
     if got != want:
         bad = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))[:4]
         raise AdapterValidationError(f"{path / ADAPTER_FILE}: tensor names/shapes/dtypes differ from the export: {bad}")
     if meta != built.metadata:
         raise AdapterValidationError(f"{path / ADAPTER_FILE}: header metadata differs from the export")
-
-
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}

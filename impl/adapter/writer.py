@@ -1,0 +1,131 @@
+"""The adapter file, written by us in the safetensors format and hashed while it is written.
+
+``.complete`` certifies the file's sha256. Hashing the file once written is the export's longest CPU step after
+the write itself, and ``safetensors.torch.save_file`` cannot be tailed (it writes a private temporary, maps it and
+renames it). Writing the format ourselves lets a second thread hash the very bytes in file order while the first
+writes them, so the digest is ready about when the file is. The validate phase still reads the file back with the
+safetensors library (its header) and byte for byte (its tensors).
+
+The format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header size N, N bytes
+of JSON (``__metadata__`` plus, per tensor, dtype, shape and ``data_offsets`` into the data that follows), padded
+with spaces to a multiple of 8, then the tensors' bytes back to back. Tensors are laid out as the library lays
+them out (larger dtypes first, then by name); metadata keys are sorted, so the same adapter gives the same bytes
+(the library's metadata order varies from run to run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from impl.adapter.build import raw_bytes
+
+#: safetensors' dtype names, largest first: the library's layout order
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_LAYOUT_RANK = {dtype: i for i, dtype in enumerate(ST_DTYPES)}
+_WRITE_CHUNK = 8 << 20  # bytes per os.write: the hash thread starts on a chunk while the next one is written
+
+
+def safetensors_header(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+) -> tuple[bytes, list[str]]:
+    """The file's first bytes (size + padded JSON header) and the tensor names in file order."""
+    unknown = sorted(f"{name} ({t.dtype})" for name, t in tensors.items() if t.dtype not in ST_DTYPES)
+    if unknown:
+        raise ValueError(f"no safetensors dtype for {', '.join(unknown)}")
+    order = sorted(tensors, key=lambda name: (_LAYOUT_RANK[tensors[name].dtype], name))
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, order
+
+
+class _Hasher(threading.Thread):
+    """sha256 of the chunks put on its queue, in order (``None`` ends it); hashlib releases the GIL."""
+
+    def __init__(self) -> None:
+        super().__init__(name="dsv4-adapter-hash", daemon=True)
+        self.chunks: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self.sha = hashlib.sha256()
+
+    def run(self) -> None:
+        while (chunk := self.chunks.get()) is not None:
+            self.sha.update(chunk)
+
+
+class HashedWrite:
+    """A file :func:`write_safetensors` wrote: its first bytes (``head``: size and header) and its sha256
+    (:meth:`digest` waits for it)."""
+
+    def __init__(self, hasher: _Hasher, head: bytes):
+        self._hasher, self.head = hasher, head
+
+    def digest(self) -> str:
+        self._hasher.join()
+        return self._hasher.sha.hexdigest()
+
+
+def write_safetensors(
+    path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> HashedWrite:
+    """Write ``tensors`` (CPU, contiguous) to a new file ``path`` in the safetensors format; the file's sha256 is
+    computed from the same bytes as they are written. Raises ``FileExistsError`` if ``path`` exists; on any error
+    the partial file is removed."""
+    head, order = safetensors_header(tensors, metadata)
+    hasher = _Hasher()
+    hasher.start()
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides the mode, as for open()
+    try:
+        for chunk in _chunks(head, [raw_bytes(tensors[name]) for name in order]):
+            hasher.chunks.put(chunk)
+            _write_all(fd, chunk)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        hasher.chunks.put(None)
+    os.close(fd)
+    return HashedWrite(hasher, head)
+
+
+def _chunks(head: bytes, parts: list[np.ndarray]):
+    yield memoryview(head)
+    for part in parts:
+        view = memoryview(part)
+        for i in range(0, len(view), _WRITE_CHUNK):
+            yield view[i : i + _WRITE_CHUNK]
+
+
+def _write_all(fd: int, chunk: memoryview) -> None:
+    while chunk:
+        chunk = chunk[os.write(fd, chunk) :]
+
+
+__all__ = ["ST_DTYPES", "HashedWrite", "safetensors_header", "write_safetensors"]
