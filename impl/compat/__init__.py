@@ -22,6 +22,7 @@ named function, so the rest of ``impl`` depends on Megatron-Bridge's public surf
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,10 @@ def install() -> CompatReport:
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
 
     _import_optional("megatron.training")
+    if importlib.util.find_spec("modelopt") is not None:
+        # Bridge 0.4's AutoBridge imports ModelOpt, whose Megatron plugin registers TE layers when TE imports;
+        # it must see no TE rather than the stub's placeholders (megatron.training, when present, imports it first).
+        importlib.import_module("modelopt.torch.quantization")
     stub = te_stub.install_if_absent()
     shims = cpu.install_if_no_cuda()
     fix = mla.install_if_needed()

@@ -434,6 +434,11 @@ def export_official_state(model_chunks: nn.Module | list[nn.Module]) -> dict[str
         lists: list[Any] = [None] * pp
         dist.all_gather_object(lists, order, group=group)
         order = list(dict.fromkeys(n for lst in lists for n in lst))
+        # A tensor on several stages (the embedding the MTP block shares) is sent by its first stage only, as
+        # Megatron-Bridge 0.5 chooses; 0.4 refuses a tensor that more than one stage offers.
+        first = {n: stage for stage in reversed(range(pp)) for n in lists[stage]}
+        here = dist.get_rank(group)
+        by_name = {n: nt for n, nt in by_name.items() if first[n] == here}
     unmapped = [n for n in order if lookup_native(n) is None]
     if unmapped:
         raise CheckpointMappingError(
