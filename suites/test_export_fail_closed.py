@@ -241,8 +241,8 @@ def test_a_cleanup_failure_after_the_commit_point_warns_and_keeps_the_committed_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=str)
 def test_a_non_finite_value_past_the_first_chunk_is_refused_by_the_file_export(api, tmp_path, dtype, bad) -> None:
-    """The file export checks finiteness on the staged file's re-read, chunk by chunk: the last element of a
-    tensor several chunks long must be seen, in every floating dtype the checker reads by its bits."""
+    """The file export checks finiteness on the bytes it writes, chunk by chunk: the last element of a tensor
+    several chunks long must be seen, in every floating dtype the checker reads by its bits."""
     tensors = {k: v.to(dtype) for k, v in _good().items()}
     big = torch.zeros(3_000_000, R, dtype=dtype)  # 24-48 MB: several 8 MiB chunks
     big[-1, -1] = bad

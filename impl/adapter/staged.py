@@ -13,19 +13,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from impl.adapter.build import EXPONENT_MASKS, BuiltAdapter, NonFiniteAdapterError, all_finite, finite_bits, raw_bytes
+from impl.adapter.build import EXPONENT_MASKS, BuiltAdapter, NonFiniteAdapterError, all_finite, raw_bytes
 from impl.adapter.files import ADAPTER_FILE
 from impl.adapter.validation import AdapterValidationError
 from impl.adapter.writer import ST_DTYPES, HashedWrite
-
-_CHUNK = 1 << 20  # compared and checked for NaN/Inf while in the CPU cache
 
 
 class StagedFileCheck:
     """Background re-read of a written safetensors file through one read-only mmap, started as soon as it is
     written, so it runs while the fsync phase waits for the disk: one thread compares the file's header bytes with
-    those written and every tensor's bytes with the in-memory tensor it must hold, checking those bytes for NaN/Inf
-    in the same pass, chunk by chunk (it releases the GIL). :meth:`verify` waits for it and raises
+    those written and every tensor's bytes with the in-memory tensor it must hold (it releases the GIL).
+    :meth:`verify` waits for it and for the writer's NaN/Inf check of the bytes it wrote, and raises
     :class:`AdapterValidationError` / :class:`NonFiniteAdapterError` (naming the native tensor, from ``sources``).
     The file then holds exactly the bytes the writer hashed as it wrote them: :meth:`digest` is their sha256."""
 
@@ -58,20 +56,16 @@ class StagedFileCheck:
         (n,) = np.frombuffer(self.mm, dtype="<u8", count=1)
         header = json.loads(bytes(buf[8 : 8 + int(n)]))
         base = 8 + int(n)
-        scratch = np.empty(_CHUNK, dtype=np.uint8)
         for name, want in self.payload.items():
             start, end = header.get(name, {}).get("data_offsets", (0, -1))
             raw = raw_bytes(want)
             if end - start != raw.size:
                 self.errors.append(f"{self.path}: tensor {name} has {end - start} bytes on disk, {raw.size} exported")
                 continue
-            on_disk = buf[base + start : base + end]
-            same, finite = _compare_chunks(on_disk, raw, want.dtype, scratch)
-            finite = finite if want.dtype in EXPONENT_MASKS else all_finite(want)
-            if not same:
+            if not _same_bytes(buf[base + start : base + end], raw):
                 self.errors.append(f"{self.path}: tensor {name} on disk differs from the export")
-            elif not finite:
-                self.nonfinite.append(f"{self.sources.get(name, name)} (exported as {name})")
+            elif want.dtype not in EXPONENT_MASKS and not all_finite(want):  # the writer checked the others
+                self.nonfinite.append(name)
         del buf
 
     def verify(self) -> None:
@@ -80,10 +74,10 @@ class StagedFileCheck:
         self.payload = {}  # the in-memory copy is no longer needed
         if self.errors:
             raise AdapterValidationError("; ".join(self.errors))
-        if self.nonfinite:
-            raise NonFiniteAdapterError(
-                f"{', '.join(self.nonfinite)} hold(s) NaN/Inf values; refusing to publish a corrupt adapter"
-            )
+        nonfinite = self.written.nonfinite_tensors() + self.nonfinite
+        if nonfinite:
+            named = ", ".join(f"{self.sources.get(name, name)} (exported as {name})" for name in nonfinite)
+            raise NonFiniteAdapterError(f"{named} hold(s) NaN/Inf values; refusing to publish a corrupt adapter")
 
     def digest(self) -> str:
         """The file's sha256 (hex); only after :meth:`verify` passed is it the hash of the file's bytes."""
@@ -98,23 +92,13 @@ class StagedFileCheck:
             pass
 
 
-def _compare_chunks(on_disk: np.ndarray, raw: np.ndarray, dtype: torch.dtype, scratch: np.ndarray) -> tuple[bool, bool]:
-    """(bytes equal, no NaN/Inf) for one tensor: each chunk is compared, then checked for NaN/Inf by its bits while
-    cached (``dtype`` in :data:`EXPONENT_MASKS`; otherwise finiteness is left to the caller). Whole 8-byte words are
-    compared as uint64, several times faster than byte by byte."""
-    by_bits = dtype in EXPONENT_MASKS
-    finite = True
-    for i in range(0, raw.size, _CHUNK):
-        disk, mem = on_disk[i : i + _CHUNK], raw[i : i + _CHUNK]
-        words = disk.size - disk.size % 8
-        if not (
-            np.array_equal(disk[:words].view(np.uint64), mem[:words].view(np.uint64))
-            and np.array_equal(disk[words:], mem[words:])
-        ):
-            return False, finite
-        if by_bits and finite:
-            finite = finite_bits(disk, dtype, scratch)
-    return True, finite
+def _same_bytes(on_disk: np.ndarray, raw: np.ndarray) -> bool:
+    """Whole 8-byte words compared as uint64 (several times faster than byte by byte), then the tail."""
+    words = on_disk.size - on_disk.size % 8
+    return bool(
+        np.array_equal(on_disk[:words].view(np.uint64), raw[:words].view(np.uint64))
+        and np.array_equal(on_disk[words:], raw[words:])
+    )
 
 
 def check_header(path: Path, built: BuiltAdapter) -> None:

@@ -3,10 +3,11 @@
 ``.complete`` certifies the file's sha256. Hashing the file once written is the export's longest CPU step after
 the write itself, and ``safetensors.torch.save_file`` cannot be tailed (it writes a private temporary, maps it and
 renames it). Writing the format ourselves lets a second thread hash the very bytes in file order while the first
-writes them, so the digest is ready about when the file is. The validate phase still reads the file back with the
+writes them, and check the floating-point tensors for NaN/Inf while each chunk is in its cache, so the digest and
+the verdict are ready about when the file is. The validate phase still reads the file back with the
 safetensors library (its header) and byte for byte (its tensors).
 
-The format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header size N, N bytes
+The safetensors format (its README, "Format"): an 8-byte little-endian header size N, N bytes
 of JSON (``__metadata__`` plus, per tensor, dtype, shape and ``data_offsets`` into the data that follows), padded
 with spaces to a multiple of 8, then the tensors' bytes back to back. Tensors are laid out as the library lays
 them out (larger dtypes first, then by name); metadata keys are sorted, so the same adapter gives the same bytes
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from impl.adapter.build import raw_bytes
+from impl.adapter.build import EXPONENT_MASKS, finite_bits, raw_bytes
 
 #: safetensors' dtype names, largest first: the library's layout order
 ST_DTYPES: dict[torch.dtype, str] = {
@@ -42,7 +43,7 @@ ST_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _LAYOUT_RANK = {dtype: i for i, dtype in enumerate(ST_DTYPES)}
-_WRITE_CHUNK = 8 << 20  # bytes per os.write: the hash thread starts on a chunk while the next one is written
+_WRITE_CHUNK = 8 << 20  # bytes per os.write: hashed and checked by the other thread while the next is written
 
 
 def safetensors_header(
@@ -66,28 +67,50 @@ def safetensors_header(
 
 
 class _Hasher(threading.Thread):
-    """sha256 of the chunks put on its queue, in order (``None`` ends it); hashlib releases the GIL."""
+    """sha256 of the chunks put on its queue, in order (``None`` ends it), and, while each chunk is in the CPU
+    cache, a NaN/Inf check of the floating-point tensors' elements in it (both release the GIL)."""
 
     def __init__(self) -> None:
         super().__init__(name="dsv4-adapter-hash", daemon=True)
-        self.chunks: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self.chunks: queue.SimpleQueue[tuple[memoryview, str, torch.dtype | None] | None] = queue.SimpleQueue()
         self.sha = hashlib.sha256()
+        self.nonfinite: list[str] = []  # tensor names, in file order
+        self.error = ""
 
     def run(self) -> None:
-        while (chunk := self.chunks.get()) is not None:
-            self.sha.update(chunk)
+        scratch = np.empty(_WRITE_CHUNK, dtype=np.uint8)
+        while (item := self.chunks.get()) is not None:
+            if self.error:
+                continue  # drain: the writer must never block on a dead consumer
+            chunk, name, dtype = item
+            try:
+                self.sha.update(chunk)
+                if dtype is not None and (not self.nonfinite or self.nonfinite[-1] != name):
+                    if not finite_bits(np.frombuffer(chunk, dtype=np.uint8), dtype, scratch):
+                        self.nonfinite.append(name)
+            except Exception as exc:  # reported by digest() / nonfinite_tensors()
+                self.error = f"{type(exc).__name__}: {exc}"
 
 
 class HashedWrite:
-    """A file :func:`write_safetensors` wrote: its first bytes (``head``: size and header) and its sha256
-    (:meth:`digest` waits for it)."""
+    """A file :func:`write_safetensors` wrote: its first bytes (``head``: size and header), its sha256 and the
+    tensors that hold NaN/Inf (each waits for the hashing thread)."""
 
-    def __init__(self, hasher: _Hasher, head: bytes):
-        self._hasher, self.head = hasher, head
+    def __init__(self, hasher: _Hasher, head: bytes, path: Path):
+        self._hasher, self.head, self.path = hasher, head, path
+
+    def _done(self) -> _Hasher:
+        self._hasher.join()
+        if self._hasher.error:
+            raise OSError(f"{self.path}: hashing the written bytes failed ({self._hasher.error})")
+        return self._hasher
 
     def digest(self) -> str:
-        self._hasher.join()
-        return self._hasher.sha.hexdigest()
+        return self._done().sha.hexdigest()
+
+    def nonfinite_tensors(self) -> list[str]:
+        """The tensors (of a dtype in :data:`EXPONENT_MASKS`) with a NaN or Inf among the bytes written."""
+        return list(self._done().nonfinite)
 
 
 def write_safetensors(
@@ -102,9 +125,9 @@ def write_safetensors(
     path = Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides the mode, as for open()
     try:
-        for chunk in _chunks(head, [raw_bytes(tensors[name]) for name in order]):
-            hasher.chunks.put(chunk)
-            _write_all(fd, chunk)
+        for item in _chunks(head, order, tensors):
+            hasher.chunks.put(item)
+            _write_all(fd, item[0])
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
@@ -112,15 +135,17 @@ def write_safetensors(
     finally:
         hasher.chunks.put(None)
     os.close(fd)
-    return HashedWrite(hasher, head)
+    return HashedWrite(hasher, head, path)
 
 
-def _chunks(head: bytes, parts: list[np.ndarray]):
-    yield memoryview(head)
-    for part in parts:
-        view = memoryview(part)
+def _chunks(head: bytes, order: list[str], tensors: Mapping[str, torch.Tensor]):
+    """(bytes, tensor name, dtype to check for NaN/Inf or None) in file order, the header first."""
+    yield memoryview(head), "", None
+    for name in order:
+        dtype = tensors[name].dtype if tensors[name].dtype in EXPONENT_MASKS else None
+        view = memoryview(raw_bytes(tensors[name]))
         for i in range(0, len(view), _WRITE_CHUNK):
-            yield view[i : i + _WRITE_CHUNK]
+            yield view[i : i + _WRITE_CHUNK], name, dtype
 
 
 def _write_all(fd: int, chunk: memoryview) -> None:
