@@ -78,21 +78,23 @@ def test_the_log_beside_the_report_holds_what_every_rank_wrote(two_rank_run):
     assert ranks == {"0", "1"}, f"the log lacks a rank's own lines (saw tensor-parallel ranks {sorted(ranks)})"
 
 
-# Loaded by every interpreter the command starts: before a process sends anything over a multiprocessing pipe
-# (a rank reporting a finished step), it leaves a progress-bar line open on its stderr, as tqdm does mid-bar.
+# Loaded by every interpreter the command starts: each message a process receives over a multiprocessing pipe
+# (the launcher: a rank's finished step) leaves a progress-bar line open on that process's stderr first, as tqdm
+# does mid-bar; the launcher then prints the step line. (In the process that prints, so the order is certain.)
 OPEN_LINE_SITECUSTOMIZE = """
 import os
 from multiprocessing import connection
 
-_send = connection.Connection.send
+_recv = connection.Connection.recv
 
 
-def send(self, obj):
+def recv(self):
+    message = _recv(self)
     os.write(2, b"\\rcrunching  50%|#####     | 1/2")
-    return _send(self, obj)
+    return message
 
 
-connection.Connection.send = send
+connection.Connection.recv = recv
 """
 
 
