@@ -6,7 +6,9 @@
 # pin-independent (they never import megatron; `independent` runs them with fixtures/no_megatron first on PYTHONPATH,
 # so one that does import it fails). Known gaps come from xfails/bridgeXY.txt (X.Y = the pin's major.minor) via
 # --xfails-file: each listed test must still fail with the exception the line names.
-# Environment: MCORE_PIN, VENV, PINS_DIR (see pin_overlay.sh); DSV4_PIN_WORKERS (default 2).
+# Environment: MCORE_PIN, VENV, PINS_DIR (see pin_overlay.sh); DSV4_PIN_WORKERS (default 2); DSV4_PIN_HYPOTHESIS
+# (default dev: 20 examples; a pin checks that the same code runs against another Bridge, the main run explores
+# inputs with the ci profile's 50).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIN=${1:?usage: scripts/run_pin.sh PIN|independent [pytest args]}
@@ -38,7 +40,7 @@ fi
 start=$(date +%s)
 set +e
 env "${pin_env[@]}" PYTHONPATH="$pp" "$VENV/bin/python" -m pytest -m "$marks" -n "${DSV4_PIN_WORKERS:-2}" \
-  --dist loadgroup -q --hypothesis-profile=ci "${xfails[@]}" "$@"
+  --dist loadgroup -q --hypothesis-profile="${DSV4_PIN_HYPOTHESIS:-dev}" "${xfails[@]}" "$@"
 rc=$?
 set -e
 echo "run_pin: $PIN ($env_name) took $(( $(date +%s) - start ))s (pytest exit $rc)" >&2
