@@ -99,6 +99,8 @@ connection.Connection.recv = recv
 
 
 def test_a_line_a_library_leaves_open_does_not_swallow_a_step_line(cli, tmp_path):
+    """Every step line the terminal shows is a line of its own in the log, even right after a library left an
+    unfinished progress-bar line there."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(OPEN_LINE_SITECUSTOMIZE)

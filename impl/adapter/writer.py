@@ -48,22 +48,24 @@ _WRITE_CHUNK = 8 << 20  # bytes per os.write: hashed and checked by the other th
 
 def safetensors_header(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
-) -> tuple[bytes, list[str]]:
-    """The file's first bytes (size + padded JSON header) and the tensor names in file order."""
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The file's first bytes (size + padded JSON header) and, in file order, each tensor's byte span in the file."""
     unknown = sorted(f"{name} ({t.dtype})" for name, t in tensors.items() if t.dtype not in ST_DTYPES)
     if unknown:
         raise ValueError(f"no safetensors dtype for {', '.join(unknown)}")
     order = sorted(tensors, key=lambda name: (_LAYOUT_RANK[tensors[name].dtype], name))
     header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    offsets: dict[str, tuple[int, int]] = {}
     offset = 0
     for name in order:
         t = tensors[name]
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
+        offsets[name] = (offset, offset + t.numel() * t.element_size())
+        header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": list(offsets[name])}
+        offset = offsets[name][1]
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, order
+    head = len(text).to_bytes(8, "little") + text
+    return head, {name: (len(head) + a, len(head) + b) for name, (a, b) in offsets.items()}
 
 
 class _Hasher(threading.Thread):
@@ -93,11 +95,11 @@ class _Hasher(threading.Thread):
 
 
 class HashedWrite:
-    """A file :func:`write_safetensors` wrote: its first bytes (``head``: size and header), its sha256 and the
-    tensors that hold NaN/Inf (each waits for the hashing thread)."""
+    """A file :func:`write_safetensors` wrote: its first bytes (``head``: size and header), each tensor's byte span
+    in it (``spans``), its sha256 and the tensors that hold NaN/Inf (the last two wait for the hashing thread)."""
 
-    def __init__(self, hasher: _Hasher, head: bytes, path: Path):
-        self._hasher, self.head, self.path = hasher, head, path
+    def __init__(self, hasher: _Hasher, head: bytes, spans: dict[str, tuple[int, int]], path: Path):
+        self._hasher, self.head, self.spans, self.path = hasher, head, spans, path
 
     def _done(self) -> _Hasher:
         self._hasher.join()
@@ -119,13 +121,13 @@ def write_safetensors(
     """Write ``tensors`` (CPU, contiguous) to a new file ``path`` in the safetensors format; the file's sha256 is
     computed from the same bytes as they are written. Raises ``FileExistsError`` if ``path`` exists; on any error
     the partial file is removed."""
-    head, order = safetensors_header(tensors, metadata)
+    head, spans = safetensors_header(tensors, metadata)
     hasher = _Hasher()
     hasher.start()
     path = Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides the mode, as for open()
     try:
-        for item in _chunks(head, order, tensors):
+        for item in _chunks(head, list(spans), tensors):
             hasher.chunks.put(item)
             _write_all(fd, item[0])
     except BaseException:
@@ -135,7 +137,7 @@ def write_safetensors(
     finally:
         hasher.chunks.put(None)
     os.close(fd)
-    return HashedWrite(hasher, head, path)
+    return HashedWrite(hasher, head, spans, path)
 
 
 def _chunks(head: bytes, order: list[str], tensors: Mapping[str, torch.Tensor]):
