@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from fixtures.impl_loader import load_impl, resolve_impl_name
-from fixtures.multirank import init_megatron_parallel, run_ranks
+from fixtures.impl_loader import load_impl
+from fixtures.multirank import impl_preload, init_megatron_parallel, run_ranks
 from fixtures.native_weights import ensure_single_rank_megatron
 
 pytestmark = pytest.mark.cpu
@@ -25,6 +25,7 @@ SCALE = ALPHA / RANK
 
 @dataclass(frozen=True)
 class Case:
+    impl_name: str
     seed: int = 0
     tp: int = 1
 
@@ -174,7 +175,7 @@ def test_dense_forward_of_lora_wo_a_is_refused(impl, megatron_world):
 def _rank_grouped_wo_a(rank: int, world_size: int, case: Case) -> dict:
     import torch.distributed as dist
 
-    impl = load_impl(resolve_impl_name(None))  # $DSV4_IMPL or impl; imported before Megatron (CPU shims)
+    impl = load_impl(case.impl_name)  # imported before Megatron (CPU shims)
 
     init_megatron_parallel(tp=case.tp)
     t = _tensors(case.seed)
@@ -194,8 +195,8 @@ def _rank_grouped_wo_a(rank: int, world_size: int, case: Case) -> dict:
 
 
 def test_tp2_grouped_wo_a_lora_equals_tp1(impl):
-    case = Case(seed=7, tp=2)
-    results = run_ranks(_rank_grouped_wo_a, case, nproc=2, timeout_s=120)
+    case = Case(impl.name, seed=7, tp=2)
+    results = run_ranks(_rank_grouped_wo_a, case, nproc=2, timeout_s=120, preload=impl_preload(impl.name))
     ref = _reference(_tensors(case.seed))
     for r, res in enumerate(results):
         got = {k: torch.tensor(v) for k, v in res.payload.items()}

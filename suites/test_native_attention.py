@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.multirank import init_megatron_parallel, run_ranks
+from fixtures.multirank import impl_preload, init_megatron_parallel, run_ranks
 from fixtures.native_weights import ensure_single_rank_megatron
 
 pytestmark = pytest.mark.cpu
@@ -314,14 +314,15 @@ def test_mtp_override_builds_a_sliding_layer(impl, megatron_world):
 
 @dataclass(frozen=True)
 class TPCase:
+    impl_name: str
     layers: tuple[int, ...]
     seed: int = 0
 
 
 def _rank_attention_tp(rank: int, world_size: int, case: TPCase) -> dict[str, Any]:
-    from fixtures.impl_loader import load_impl, resolve_impl_name
+    from fixtures.impl_loader import load_impl
 
-    impl = load_impl(resolve_impl_name(None))  # imports the implementation (CPU shims) before Megatron runs
+    impl = load_impl(case.impl_name)  # imports the implementation (CPU shims) before Megatron runs
     init_megatron_parallel(tp=world_size)
     hf = _hf_config()
     errors: dict[str, Any] = {}
@@ -351,9 +352,10 @@ def _rank_attention_tp(rank: int, world_size: int, case: TPCase) -> dict[str, An
     return errors
 
 
-def test_tensor_parallel_attention_matches_transformers_on_every_rank():
+def test_tensor_parallel_attention_matches_transformers_on_every_rank(impl):
     """TP=2: heads and wo_a groups split, KV/compressor/indexer replicated; output and gradients match per rank."""
-    results = run_ranks(_rank_attention_tp, TPCase(layers=tuple(LAYERS.values())), nproc=2, timeout_s=240)
+    case = TPCase(impl.name, layers=tuple(LAYERS.values()))
+    results = run_ranks(_rank_attention_tp, case, nproc=2, timeout_s=240, preload=impl_preload(impl.name))
     for r in results:
         payload = dict(r.payload)
         assert payload.pop("rejects_o_groups_3_at_tp2") is True, f"rank {r.rank}: o_groups=3 at TP=2 not rejected"

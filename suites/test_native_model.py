@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fixtures.asserts as ah
 from fixtures.impl_loader import load_impl
-from fixtures.multirank import init_megatron_parallel, run_ranks
+from fixtures.multirank import impl_preload, init_megatron_parallel, run_ranks
 from fixtures.native_weights import (
     ensure_single_rank_megatron,
     load_hf_into_native,
@@ -309,7 +309,7 @@ def test_tensor_and_expert_parallel_ranks_reproduce_the_oracle(impl, nproc, tp, 
     if world > nproc:
         pytest.skip(f"needs --nproc {world} (running with --nproc {nproc})")
     case = ParallelCase(impl.name, "tiny-tp", tp, ep, distinct, seq=min_seq_len(get_preset("tiny-tp")))
-    results = run_ranks(_rank_native_parallel, case, nproc=world, timeout_s=300)
+    results = run_ranks(_rank_native_parallel, case, nproc=world, timeout_s=300, preload=impl_preload(impl.name))
     offsets = sorted({r.payload["local_experts"] for r in results})
     assert offsets == [0, 4], f"EP ranks must own contiguous halves of the 8 experts, got offsets {offsets}"
     for r in results:

@@ -111,6 +111,7 @@ def launch_ranks(
     backend: str | None = "gloo",
     agree: object = None,
     before_go: Callable[[], object] | None = None,
+    start_method: str = "spawn",
 ) -> list[RankResult]:
     """``fn(rank, world_size, case)`` on ``nproc`` ranks; every rank's :class:`RankResult`, in rank order.
 
@@ -124,7 +125,7 @@ def launch_ranks(
     ``case`` before ``fn`` runs). ``before_go`` runs once every rank has preloaded, before any starts ``fn``: the
     launcher's own work overlaps the ranks' imports, and what it raises stops the ranks unstarted and leaves this
     call (in a launched world it runs on every rank and what it raises is that rank's result). Never raises for a
-    rank's failure: that is in its result.
+    rank's failure: that is in its result. ``start_method``: how new ranks start (``impl.cli.spawn.spawn_ranks``).
     """
     module, qualname = fn.__module__, fn.__qualname__
     if "<locals>" in qualname or "<lambda>" in qualname:
@@ -168,6 +169,7 @@ def launch_ranks(
         preload=tuple(preload),
         backend=backend,
         before_go=before_go,
+        start_method=start_method,
     )
 
 

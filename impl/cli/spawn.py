@@ -50,6 +50,7 @@ from impl.cli import output
 from impl.cli.rank_report import EXITED, NOT_STARTED, SIGNALLED, TERMINATED, TIMEOUT, RankResult
 
 __all__ = [
+    "START_METHODS",
     "Preload",
     "collective_timeout_s",
     "resolve_backend",
@@ -64,6 +65,9 @@ Preload = str | Callable[[], object]
 _DUMP_WAIT_S = 1.0  # time for faulthandler to write a stack dump after SIGUSR1
 _TERM_WAIT_S = 1.0  # SIGTERM -> SIGKILL
 _EXIT_WAIT_S = 5.0  # a rank that reported its result but has not exited yet
+
+#: how ranks start (see spawn_ranks)
+START_METHODS = ("spawn", "forkserver")
 
 _COLLECTIVE_TIMEOUT_S: float | None = None  # this rank's default-group timeout, once a launcher set it
 
@@ -96,6 +100,7 @@ class _RankSpec:
     stack_file: str
     parent_pid: int
     preload: tuple[Preload, ...]
+    start_method: str = "spawn"
 
 
 def resolve_function(module: str, qualname: str) -> Callable[..., Any]:
@@ -113,14 +118,24 @@ def resolve_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    # The rank lives in its own session, so a dying parent would not take it along: ask the kernel to.
+def _die_with_parent(parent_pid: int | None) -> None:
+    # The rank lives in its own session, so a dying parent would not take it along: ask the kernel to. (A forked
+    # rank's parent is the fork server, which exits when the launcher does: parent_pid None.)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def _match_thread_count(env: Mapping[str, str]) -> None:
+    """A forked rank imported torch in the fork server, before this launch's ``OMP_NUM_THREADS`` existed: apply it
+    (a spawned rank's torch reads it at import)."""
+    threads = env.get("OMP_NUM_THREADS")
+    torch = sys.modules.get("torch")
+    if threads and torch is not None:
+        torch.set_num_threads(int(threads))
 
 
 def start_up(preload: Sequence[Preload]) -> None:
@@ -161,8 +176,11 @@ def _join_world(spec: _RankSpec) -> None:
 
 def _rank_main(spec: _RankSpec, conn: Connection) -> None:
     os.setsid()
-    _die_with_parent(spec.parent_pid)
+    forked = spec.start_method == "forkserver"
+    _die_with_parent(None if forked else spec.parent_pid)
     os.environ.update(spec.env)
+    if forked:
+        _match_thread_count(spec.env)
     stack_file = open(spec.stack_file, "w")  # stays open for the process's lifetime: faulthandler writes to it
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
@@ -242,12 +260,14 @@ class _Rank:
 
     def poll_exit(self) -> None:
         # WNOWAIT leaves the rank a zombie, so its pid (= its process group id) cannot be reused before the
-        # final killpg that also reaches anything the rank started.
+        # final killpg that also reaches anything the rank started. A forked rank is the fork server's child: the
+        # server reaps it and reports its exit code through the sentinel; from then on it is never signalled.
         try:
             info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             self.reaped_elsewhere = True
             self.exitcode = self.proc.exitcode
+            self.observed_at = time.time()
             return
         if info is None:
             return
@@ -326,9 +346,9 @@ class _Clock:
 
 def _start(spec_for: Callable[[int], _RankSpec], nproc: int, ranks: list[_Rank]) -> None:
     """Start every rank, appending each to ``ranks`` at once (so a failed start still reaps the others)."""
-    ctx = multiprocessing.get_context("spawn")
     for rank in range(nproc):
         spec = spec_for(rank)
+        ctx = multiprocessing.get_context(spec.start_method)
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=_rank_main, args=(spec, child_conn), name=f"rank{rank}", daemon=True)
         proc.start()
@@ -398,8 +418,17 @@ def spawn_ranks(
     preload: tuple[Preload, ...],
     backend: str | None = "gloo",
     before_go: Callable[[], object] | None = None,
+    start_method: str = "spawn",
 ) -> list[RankResult]:
-    """Run ``fn_module.fn_qualname(rank, nproc, pickle.loads(case))`` on ``nproc`` spawned ranks."""
+    """Run ``fn_module.fn_qualname(rank, nproc, pickle.loads(case))`` on ``nproc`` new ranks.
+
+    ``start_method``: ``"spawn"`` (a fresh interpreter per rank) or ``"forkserver"`` (forked from multiprocessing's
+    fork server, which the caller has started with its preload: imports paid once per server, not per rank; gloo
+    only, since CUDA does not survive a fork)."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if start_method == "forkserver" and backend != "gloo":
+        raise ValueError(f"forked ranks run gloo only (CUDA does not survive a fork), got backend={backend!r}")
     tmp = tempfile.mkdtemp(prefix="multirank-")
     world_env = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
 
@@ -417,6 +446,7 @@ def spawn_ranks(
             stack_file=os.path.join(tmp, f"rank{rank}.stack"),
             parent_pid=os.getpid(),
             preload=preload,
+            start_method=start_method,
         )
 
     ranks: list[_Rank] = []

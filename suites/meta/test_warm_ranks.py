@@ -1,0 +1,117 @@
+"""Warm ranks (``fixtures/warm_ranks.py``): a launch whose ranks only preload the implementation under test forks
+them from one fork server per test process; a launch that a fresh interpreter could run differently still spawns
+fresh ranks; a forked rank's death or hang is reported like a spawned rank's, and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import psutil
+import pytest
+
+from fixtures.multirank import MultiRankFailure, impl_preload, run_ranks
+from fixtures.warm_ranks import COLD_ENV, start_method_for
+
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
+
+
+@dataclass(frozen=True)
+class Case:
+    fate: str = "report"  # report | killed | hang
+
+
+def _rank_report_origin(rank: int, world_size: int, case: Case) -> dict:
+    import torch
+
+    if case.fate == "killed" and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if case.fate == "hang" and rank == 1:
+        time.sleep(300)
+    return {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "threads": torch.get_num_threads(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "rank": int(os.environ["RANK"]),
+    }
+
+
+def _launch(impl, **kwargs) -> list[dict]:
+    results = run_ranks(_rank_report_origin, Case(), nproc=2, timeout_s=60, **kwargs)
+    return [r.payload for r in results]
+
+
+@pytest.fixture
+def fork_server(impl) -> int:
+    """The pid of this process's fork server (started by a first warm launch if none ran yet)."""
+    (server,) = {r["ppid"] for r in _launch(impl, preload=impl_preload(impl.name))}
+    return server
+
+
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_ranks_that_preload_the_implementation_fork_from_one_server_with_the_launch_thread_count(impl, fork_server):
+    reports = _launch(impl, preload=impl_preload(impl.name)) + _launch(impl, preload=impl_preload(impl.name))
+    assert fork_server != os.getpid()
+    assert {r["ppid"] for r in reports} == {fork_server}, (
+        f"not all forked from the fork server {fork_server}: {reports}"
+    )
+    server = psutil.Process(fork_server)
+    assert server.ppid() == os.getpid() and "forkserver" in " ".join(server.cmdline()), server.cmdline()
+    assert [r["rank"] for r in reports] == [0, 1, 0, 1]
+    for r in reports:  # torch was imported in the server, before this launch chose the ranks' thread count
+        assert r["omp"] and r["threads"] == int(r["omp"]), f"rank {r['rank']}: {r['threads']} threads, {r}"
+
+
+@pytest.mark.parametrize("why", ["own-environment", "other-preload", "cold-asked", "environment-changed", "nccl"])
+def test_a_launch_a_fresh_interpreter_could_run_differently_gets_fresh_ranks(impl, fork_server, monkeypatch, why):
+    preload, env, backend = impl_preload(impl.name), None, "gloo"
+    assert start_method_for(preload, env, backend) == "forkserver"
+    if why == "own-environment":
+        env = {"DSV4_PROBE": "1"}
+    elif why == "other-preload":
+        preload = ("colorsys",)
+    elif why == "cold-asked":
+        monkeypatch.setenv(COLD_ENV, "1")
+    elif why == "environment-changed":  # read at import time by something, perhaps: the server has the old value
+        monkeypatch.setenv("DSV4_PROBE_CHANGED", "1")
+    else:
+        backend = "nccl"
+    assert start_method_for(preload, env, backend) == "spawn", why
+
+
+def test_the_runner_spawns_what_it_may_not_fork(impl, fork_server):
+    reports = _launch(impl, preload=("colorsys",))
+    assert {r["ppid"] for r in reports} == {os.getpid()}, f"ranks should be this process's own: {reports}"
+
+
+def test_a_forked_rank_killed_by_a_signal_is_reported_with_the_signal_name(impl, fork_server):
+    with pytest.raises(MultiRankFailure) as info:
+        run_ranks(_rank_report_origin, Case("killed"), nproc=2, timeout_s=20, preload=impl_preload(impl.name))
+    report = str(info.value)
+    assert "\nroot cause: rank 1 killed by SIGKILL (exit -9)\n" in report, report
+    assert all(_gone(r.pid) for r in info.value.results), [r.pid for r in info.value.results]
+    assert psutil.Process(fork_server).is_running(), "the fork server went down with its rank"
+
+
+def test_a_hanging_forked_rank_is_stopped_at_the_timeout_with_its_stack(impl, fork_server):
+    with pytest.raises(MultiRankFailure) as info:
+        run_ranks(_rank_report_origin, Case("hang"), nproc=2, timeout_s=3, preload=impl_preload(impl.name))
+    report = str(info.value)
+    assert "\nroot cause: rank 1 did not finish within 3s\n" in report, report
+    assert "in _rank_report_origin" in report, "the hung rank's stack dump is missing:\n" + report
+    assert all(_gone(r.pid) for r in info.value.results), [r.pid for r in info.value.results]
+    assert info.value.results[1].pid != os.getpid() and info.value.results[1].pid is not None
