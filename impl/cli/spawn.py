@@ -100,7 +100,7 @@ class _RankSpec:
     stack_file: str
     parent_pid: int
     preload: tuple[Preload, ...]
-    start_method: str = "spawn"
+    start_method: str
 
 
 def resolve_function(module: str, qualname: str) -> Callable[..., Any]:

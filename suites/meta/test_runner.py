@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,6 +30,7 @@ from fixtures.multirank import (
     rank_world,
     run_ranks,
 )
+from fixtures.processes import assert_no_orphans, child_pids
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
@@ -139,32 +139,7 @@ def _rank_nested_in_its_own_test(rank: int, world_size: int, case: Case) -> str:
 
 @pytest.fixture
 def children_before() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _gone(pid: int, wait_s: float = 5.0) -> bool:
-    end = time.monotonic() + wait_s
-    while True:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:  # dead; reaping it is init's business
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.05)
-
-
-def assert_no_orphans(before: set[int], pids: list[int | None]) -> None:
-    leftovers = [
-        f"{p.pid} {' '.join(p.cmdline())[:120]}"
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()) and not _gone(p.pid, 0)
-    ]
-    assert not leftovers, f"processes left behind by run_ranks: {leftovers}"
-    alive = [pid for pid in pids if pid is not None and not _gone(pid)]
-    assert not alive, f"rank (or grandchild) pids still alive after run_ranks: {alive}"
-    assert None not in pids, f"a result without a pid: {pids}"
+    return child_pids()
 
 
 # ------------------------------------------------------------------------------------------------ live runs

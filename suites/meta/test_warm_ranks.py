@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from fixtures.multirank import MultiRankFailure, impl_preload, run_ranks
+from fixtures.processes import assert_no_orphans, child_pids
 from fixtures.warm_ranks import COLD_ENV, start_method_for
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
@@ -51,18 +52,6 @@ def fork_server(impl) -> int:
     return server
 
 
-def _gone(pid: int, wait_s: float = 5.0) -> bool:
-    end = time.monotonic() + wait_s
-    while time.monotonic() < end:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_ranks_that_preload_the_implementation_fork_from_one_server_with_the_launch_thread_count(impl, fork_server):
     reports = _launch(impl, preload=impl_preload(impl.name)) + _launch(impl, preload=impl_preload(impl.name))
     assert fork_server != os.getpid()
@@ -99,19 +88,20 @@ def test_the_runner_spawns_what_it_may_not_fork(impl, fork_server):
 
 
 def test_a_forked_rank_killed_by_a_signal_is_reported_with_the_signal_name(impl, fork_server):
+    before = child_pids()
     with pytest.raises(MultiRankFailure) as info:
         run_ranks(_rank_report_origin, Case("killed"), nproc=2, timeout_s=20, preload=impl_preload(impl.name))
     report = str(info.value)
     assert "\nroot cause: rank 1 killed by SIGKILL (exit -9)\n" in report, report
-    assert all(_gone(r.pid) for r in info.value.results), [r.pid for r in info.value.results]
+    assert_no_orphans(before, [r.pid for r in info.value.results])
     assert psutil.Process(fork_server).is_running(), "the fork server went down with its rank"
 
 
 def test_a_hanging_forked_rank_is_stopped_at_the_timeout_with_its_stack(impl, fork_server):
+    before = child_pids()
     with pytest.raises(MultiRankFailure) as info:
         run_ranks(_rank_report_origin, Case("hang"), nproc=2, timeout_s=3, preload=impl_preload(impl.name))
     report = str(info.value)
     assert "\nroot cause: rank 1 did not finish within 3s\n" in report, report
     assert "in _rank_report_origin" in report, "the hung rank's stack dump is missing:\n" + report
-    assert all(_gone(r.pid) for r in info.value.results), [r.pid for r in info.value.results]
-    assert info.value.results[1].pid != os.getpid() and info.value.results[1].pid is not None
+    assert_no_orphans(before, [r.pid for r in info.value.results])
