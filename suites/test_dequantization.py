@@ -42,13 +42,18 @@ def _e8m0(shape, gen, low=0, high=255) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize(("rows", "cols"), [(64, 256), (70, 96)], ids=["whole-blocks", "odd-rows"])
-@pytest.mark.parametrize("exponents", [(120, 135), (0, 255)], ids=["typical", "full-range"])
+@pytest.mark.parametrize("exponents", [(120, 135), (0, 255), None], ids=["typical", "full-range", "fp32-scales"])
 def test_mxfp4_matches_megatron_bridge_bit_for_bit(impl, dtype, rows, cols, exponents):
     gen = torch.Generator().manual_seed(rows + cols)
     packed = torch.randint(-128, 128, (rows, cols // 2), generator=gen, dtype=torch.int16).to(torch.int8)
     packed[0, : min(256, cols // 2)] = torch.arange(-128, 128, dtype=torch.int16)[: min(256, cols // 2)].to(torch.int8)
-    scale = _e8m0((rows, cols // 32), gen, *exponents)
+    if exponents is None:  # not powers of two: applied in fp32 and cast once, as Bridge does
+        scale = torch.rand((rows, cols // 32), generator=gen) * 1e-2 + 1e-4
+    else:
+        scale = _e8m0((rows, cols // 32), gen, *exponents)
     got = impl.dequantize_mxfp4(packed, scale, dtype=dtype)
+    into = impl.dequantize_mxfp4(packed, scale, dtype=dtype, out=torch.full_like(got, float("nan")))
+    assert _same(into, got), f"MXFP4 {rows}x{cols} {dtype}: written into a given tensor, the values differ"
     want = _bridge(impl, "experts.0.w1.weight", packed, scale, dtype)
     assert _same(got, want), (
         f"MXFP4 {rows}x{cols} {dtype}: differs from Megatron-Bridge at {(got != want).sum()} places"
@@ -72,6 +77,8 @@ def test_fp8_block_scaled_matches_megatron_bridge_bit_for_bit(impl, dtype, rows,
     else:  # the *-Base checkpoints' fp32 scales: not powers of two
         scale = torch.rand(blocks, generator=gen) * 1e-2 + 1e-4
     got = impl.dequantize_fp8_blocks(weight, scale, dtype=dtype)
+    into = impl.dequantize_fp8_blocks(weight, scale, dtype=dtype, out=torch.full_like(got, float("nan")))
+    assert _same(into, got), f"FP8 {rows}x{cols} {dtype} {scale_kind}: written into a given tensor, values differ"
     want = _bridge(impl, "attn.wq_b.weight", weight, scale, dtype)
     assert _same(got, want), f"FP8 {rows}x{cols} {dtype} {scale_kind}: differs at {(got != want).sum()} places"
     reference = dequantize_fp8(weight, scale, dtype=dtype)
