@@ -33,6 +33,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "coverage_report",
     ),
     "impl.conversion.dispatch": ("ProviderDispatchError", "provider_through_megatron_bridge"),
+    "impl.conversion.landing": ("landing_views",),
     "impl.conversion.dequant": (
         "dequantize_fp8_blocks",
         "dequantize_mxfp4",

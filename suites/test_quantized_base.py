@@ -6,6 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fixtures.asserts as ah
+from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
+from fixtures.multirank import impl_preload, run_ranks
 from fixtures.native_weights import ensure_single_rank_megatron
 from tiny_models.quantize import dequantize_state, quant_config, write_quantized_checkpoint
 
@@ -54,9 +56,24 @@ def test_reference_dequantization_equals_megatron_bridges_dequantizer(impl, quan
         )
 
 
-def test_loaded_native_weights_equal_the_dequantized_values(impl, quantized):
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
+def test_sharded_load_equals_the_dequantized_values_on_every_rank(impl, quantized, layout):
+    """TP splits go through Megatron-Bridge's scatter, unsplit weights are dequantized in place: same values."""
+    variant, ckpt, _ = quantized
+    case = RoundTripCase(impl.name, str(ckpt), quantized=True, **layout)
+    for r in run_ranks(rank_bridge_roundtrip, case, nproc=2, timeout_s=120, preload=impl_preload(impl.name)):
+        assert not r.payload["mismatches"], f"{variant} {layout} rank {r.rank}:\n  " + "\n  ".join(
+            r.payload["mismatches"][:20]
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_loaded_native_weights_equal_the_dequantized_values(impl, quantized, dtype):
+    """In the model's dtype: Megatron-Bridge's fp32 product cast once (the reference, cast)."""
     variant, ckpt, state = quantized
-    model = impl.DeepseekV4NativeModel(impl.V4Config.from_hf(quant_config()), include_mtp=True)
+    variant = f"{variant} {dtype}"
+    model = impl.DeepseekV4NativeModel(impl.V4Config.from_hf(quant_config()), include_mtp=True, params_dtype=dtype)
     report = impl.load_official_checkpoint([model], ckpt)
     scales = {n for n in state if n.endswith(".scale")}
     assert scales <= set(report.declared_not_loaded), (
@@ -74,8 +91,9 @@ def test_loaded_native_weights_equal_the_dequantized_values(impl, quantized):
     params = dict(model.named_parameters())
     fc1 = params["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"]
     want = torch.cat([reference["layers.1.ffn.experts.2.w1.weight"], reference["layers.1.ffn.experts.2.w3.weight"]])
-    assert torch.equal(fc1, want), f"{variant}: layers.1 expert 2 linear_fc1 != cat(dequant w1, dequant w3)"
-    assert torch.equal(params["decoder.layers.0.self_attention.wo_a.weight"], reference["layers.0.attn.wo_a.weight"])
+    assert torch.equal(fc1, want.to(dtype)), f"{variant}: layers.1 expert 2 linear_fc1 != cat(dequant w1, dequant w3)"
+    wo_a = reference["layers.0.attn.wo_a.weight"].to(dtype)
+    assert torch.equal(params["decoder.layers.0.self_attention.wo_a.weight"], wo_a), f"{variant}: wo_a"
 
 
 def _rewrite(state: dict, tmp_path, edit) -> None:

@@ -67,8 +67,9 @@ from impl.conversion.checkpoint import (
     quantization_problems,
     read_headers,
 )
-from impl.conversion.dequant import read_official
+from impl.conversion.dequant import dequantizer_into, read_official
 from impl.conversion.detect import require_deepseek_v4_config
+from impl.conversion.landing import landing_views
 from impl.conversion.mapping import MAPPING_TABLE, MappingRow, lookup_native, lookup_official, normalize, scale_base
 from impl.errors import CheckpointMappingError, QuantizationError
 
@@ -308,11 +309,11 @@ def _all_gather(obj: Any) -> list[Any]:
 
 def _plan_load(
     natives: list[_NativeTensor], headers: dict[str, Header]
-) -> tuple[list[tuple[_NativeTensor, MegatronParamMapping]], set[str], list[str]]:
+) -> tuple[list[tuple[_NativeTensor, MappingRow, MegatronParamMapping]], set[str], list[str]]:
     """This rank's half of the strict load, from headers only: what each native tensor loads from, which
     checkpoint tensors that consumes, and every offender (unmapped, missing, mis-shaped, badly quantized)."""
     offenders: list[str] = []
-    plan: list[tuple[_NativeTensor, MegatronParamMapping]] = []
+    plan: list[tuple[_NativeTensor, MappingRow, MegatronParamMapping]] = []
     consumed: set[str] = set()
     for nt in natives:
         hit = lookup_native(nt.name)
@@ -341,7 +342,7 @@ def _plan_load(
             if scale in headers:
                 consumed.add(scale)
         if ok:
-            plan.append((nt, mapping))
+            plan.append((nt, row, mapping))
     return plan, consumed, offenders
 
 
@@ -395,19 +396,43 @@ def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir
     report = _judge_load(ckpt, headers, dups, native_names, gathered)
     state = LazyState(ckpt, headers)
     with torch.no_grad():
-        for nt, mapping in plan:
-            # Bridge's dequantized values, computed faster, on the parameter's device (impl.conversion.dequant)
-            hf = read_official(
-                mapping.hf_param, state, nt.tensor.dtype, nt.tensor.device, maybe_dequantize_hf_quantized_weight
-            )
-            converted = mapping.hf_to_megatron(hf, nt.module)
-            if converted.shape != nt.tensor.shape:  # defensive: validation should make this unreachable
-                raise CheckpointMappingError(
-                    f"mis-shaped {mapping.hf_param}: native {nt.name} expects {tuple(nt.tensor.shape)}, "
-                    f"conversion produced {tuple(converted.shape)}"
-                )
-            nt.tensor.copy_(converted)
+        for nt, row, mapping in plan:
+            if not _dequantize_in_place(nt, row, mapping, state, headers):
+                _load_through_bridge(nt, mapping, state)
     return report
+
+
+def _load_through_bridge(nt: _NativeTensor, mapping: MegatronParamMapping, state: LazyState) -> None:
+    # Bridge's dequantized values, computed faster, on the parameter's device (impl.conversion.dequant)
+    hf = read_official(mapping.hf_param, state, nt.tensor.dtype, nt.tensor.device, maybe_dequantize_hf_quantized_weight)
+    converted = mapping.hf_to_megatron(hf, nt.module)
+    if converted.shape != nt.tensor.shape:  # defensive: validation should make this unreachable
+        raise CheckpointMappingError(
+            f"mis-shaped {mapping.hf_param}: native {nt.name} expects {tuple(nt.tensor.shape)}, "
+            f"conversion produced {tuple(converted.shape)}"
+        )
+    nt.tensor.copy_(converted)
+
+
+def _dequantize_in_place(
+    nt: _NativeTensor, row: MappingRow, mapping: MegatronParamMapping, state: LazyState, headers: dict[str, Header]
+) -> bool:
+    """Quantized inputs that Bridge's mapping only places (no tensor parallelism): dequantized straight into the
+    parameter where the mapping puts them (:mod:`impl.conversion.landing`), with no intermediate tensor, no
+    concatenation and no copy. False (nothing written) where that does not hold."""
+    if maybe_dequantize_hf_quantized_weight is None or _tp_size_of(mapping) != 1:
+        return False
+    names = mapping.hf_param if isinstance(mapping.hf_param, dict) else {"": mapping.hf_param}
+    writers = {k: dequantizer_into(name, state) for k, name in names.items()}
+    if any(w is None for w in writers.values()):
+        return False
+    shapes = {k: effective_shape(name, headers) for k, name in names.items()}
+    views = landing_views(row, mapping, nt.module, nt.tensor, shapes)
+    if views is None:
+        return False
+    for k, write in writers.items():
+        write(views[k])
+    return True
 
 
 # --------------------------------------------------------------------------------------------------
