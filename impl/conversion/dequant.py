@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from threading import local
 
 import torch
 
@@ -34,8 +35,9 @@ __all__ = [
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_BLOCK = 128
 MXFP4_BLOCK = 32
-CHUNK = 1 << 19  # table indices built and gathered per step: 2 MiB of int32 stays in cache
+CHUNK = 1 << 20  # table indices built and gathered per step (4 MiB of int32; chunk sizes: docs/performance.md)
 PARALLEL_MIN = 1 << 19  # values per worker thread below which the hand-off costs more than it saves
+_SCRATCH = local()  # per thread: the table indices of the chunk being gathered
 _WORD = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a table entry's bytes -> the integer dtype gathered
 
 
@@ -61,8 +63,8 @@ def scaled_table(fmt: str, dtype: torch.dtype, device: torch.device) -> torch.Te
 def _gather(table: torch.Tensor, codes: torch.Tensor, shifted: torch.Tensor, out: torch.Tensor) -> None:
     """``out = table[codes | shifted]`` over ``[rows, a, b]`` views (``shifted``: the scale bytes already shifted
     by 8, int32, broadcastable to ``codes``). On the CPU the rows are split into one contiguous part per torch
-    thread of the caller (``torch.get_num_threads()``, so ``OMP_NUM_THREADS`` rules), each run by a worker thread:
-    torch runs a table gather on one core however many it has."""
+    thread of the caller (``torch.get_num_threads()``, so ``OMP_NUM_THREADS`` rules), the first run here, the others
+    by worker threads: torch runs a table gather on one core however many it has."""
     rows = codes.shape[0]
     workers = min(torch.get_num_threads(), rows, codes.numel() // PARALLEL_MIN) if codes.device.type == "cpu" else 1
     if workers <= 1:
@@ -70,7 +72,9 @@ def _gather(table: torch.Tensor, codes: torch.Tensor, shifted: torch.Tensor, out
         return
     bounds = [rows * w // workers for w in range(workers + 1)]
     parts = [(codes[lo:hi], shifted[lo:hi], out[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)]
-    for f in [_pool(workers).submit(_gather_rows, table, *part) for part in parts]:
+    futures = [_pool(workers - 1).submit(_gather_rows, table, *part) for part in parts[1:]]
+    _gather_rows(table, *parts[0])  # this thread takes the first part rather than wait
+    for f in futures:
         f.result()
 
 
@@ -78,11 +82,21 @@ def _gather_rows(table: torch.Tensor, codes: torch.Tensor, shifted: torch.Tensor
     """:func:`_gather` on this thread, a chunk of rows at a time so the indices stay in cache."""
     rows = codes.shape[0]
     step = max(1, CHUNK // max(1, codes[0].numel()))
-    index = torch.empty((min(step, rows), *codes.shape[1:]), dtype=torch.int32, device=codes.device)
+    index = _index_buffer(min(step, rows) * codes[0].numel(), codes.device).view(min(step, rows), *codes.shape[1:])
     for r in range(0, rows, step):
         n = min(step, rows - r)
         index[:n].copy_(codes[r : r + n]).add_(shifted[r : r + n])  # one dtype: torch.add(uint8, int32) is 2x slower
         torch.index_select(table, 0, index[:n].view(-1), out=out[r : r + n].view(-1))
+
+
+def _index_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 of scratch; on the CPU one buffer per thread, kept (a fresh one per weight is page-faulted anew)."""
+    if device.type != "cpu":
+        return torch.empty(n, dtype=torch.int32, device=device)  # the caching allocator keeps it
+    buf = getattr(_SCRATCH, "index", None)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH.index = torch.empty(max(n, CHUNK), dtype=torch.int32)
+    return buf[:n]
 
 
 @cache
