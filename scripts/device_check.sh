@@ -9,7 +9,8 @@
 # DEVICE_CHECK_BUDGET_S (default 480).
 #
 # Steps: CUDA present; single-rank qualify in fp32 and in bf16 (tiny base, transformers oracle); the GPU-marked
-# tests a single GPU can run (test_gpu.py's layouts need >= 2 ranks and report their skips); the device-sensitive
+# tests a single GPU can run (test_gpu.py's layouts need >= 2 ranks and report their skips; a quantized base loaded
+# on the GPU has the CPU load's bits); the device-sensitive
 # suites (placement audit, bf16 vs the fp32 oracle, activation memory) on the GPU; the memory of one
 # Flash-width layer with LoRA against impl's memory model; the Flash layer-share load benchmark.
 set -u
@@ -66,7 +67,7 @@ fi
 run qualify-fp32 120 "$PYTHON" -m impl.cli qualify --preset tiny-mixed --out "$OUT/qualify-fp32" --timeout 100
 run qualify-bf16 120 "$PYTHON" -m impl.cli qualify --preset tiny-mixed --out "$OUT/qualify-bf16" --timeout 100 \
   --dtype bfloat16
-run gpu-marked-1gpu 60 "$PYTHON" -m pytest -p no:cacheprovider -q -rs -m gpu --nproc 1 suites/test_gpu.py
+run gpu-marked-1gpu 60 "$PYTHON" -m pytest -p no:cacheprovider -q -rs -m gpu --nproc 1 suites/test_gpu.py suites/test_gpu_quantized_load.py
 # (qualify in bf16 already ran above: its slow suite twin is left out)
 run device-suites 240 "$PYTHON" -m pytest -p no:cacheprovider -q -n 0 -m "cpu and not slow" \
   suites/test_device_placement.py suites/test_bf16.py suites/test_activation_memory.py
