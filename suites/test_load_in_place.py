@@ -119,3 +119,17 @@ def test_bridge_is_asked_once_per_row_and_shape(impl, bridge_mappings):
     module = _linear(6, 2)
     impl.landing_views(next(_ROWS), Counting("f", gate="a", up="b"), module, module.weight, shapes)
     assert len(calls) == 2, "another row must be probed on its own"
+
+
+def test_a_sharded_or_strided_parameter_gets_no_landing(impl, bridge_mappings):
+    """Only a plain contiguous tensor can take a view per input: a DTensor (FSDP) or a strided parameter goes
+    through Bridge, which knows how to place into it."""
+    from torch.distributed.tensor import DeviceMesh, DTensor, Replicate
+
+    mapping = bridge_mappings.ColumnParallelMapping("w.weight", "w.weight")
+    module = _linear(4, 6)
+    strided = nn.Parameter(torch.zeros(6, 4).t())
+    assert impl.landing_views(next(_ROWS), mapping, module, strided, {"": (4, 6)}) is None, "strided parameter"
+    mesh = DeviceMesh("cpu", [0])
+    sharded = nn.Parameter(DTensor.from_local(torch.zeros(4, 6), mesh, [Replicate()]))
+    assert impl.landing_views(next(_ROWS), mapping, module, sharded, {"": (4, 6)}) is None, "DTensor parameter"

@@ -43,7 +43,7 @@ def landing_views(
     input key -> shape; the key ``""`` for a mapping that takes one tensor), or None when Bridge does more than
     place them. What a row's mapping does can depend on the module (``AutoMapping`` reads its class), the
     parameter and the input shapes: all of them key the probe."""
-    if not param.is_contiguous():
+    if type(param.data) is not torch.Tensor or not param.is_contiguous():  # a DTensor shard, a strided view
         return None
     key = (row, type(mapping), type(module), tuple(param.shape), param.dtype, tuple(sorted(shapes.items())))
     if key not in _LANDINGS:
