@@ -17,19 +17,15 @@ probe, run on any rank at any point of its plan, can never meet a collective.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["clear_landings", "landing_views"]
+__all__ = ["landing_views"]
 
 _LANDINGS: dict[tuple, dict[str, tuple[int, tuple[int, ...]]] | None] = {}  # probe results, per process
-
-
-def clear_landings() -> None:
-    """Forget what the probes learned (tests that swap Megatron-Bridge classes)."""
-    _LANDINGS.clear()
 
 
 def landing_views(
@@ -42,10 +38,11 @@ def landing_views(
     """Views of ``param`` where ``mapping`` (built from the table row ``row``) would place each input (``shapes``:
     input key -> shape; the key ``""`` for a mapping that takes one tensor), or None when Bridge does more than
     place them. What a row's mapping does can depend on the module (``AutoMapping`` reads its class), the
-    parameter and the input shapes: all of them key the probe."""
+    parameter (its device: ``ReplicatedMapping`` moves its input there) and the input shapes: all of them key the
+    probe."""
     if type(param.data) is not torch.Tensor or not param.is_contiguous():  # a DTensor shard, a strided view
         return None
-    key = (row, type(mapping), type(module), tuple(param.shape), param.dtype, tuple(sorted(shapes.items())))
+    key = (row, type(mapping), type(module), param.device.type, param.dtype, param.shape, tuple(sorted(shapes.items())))
     if key not in _LANDINGS:
         _LANDINGS[key] = _probe(mapping, module, param, dict(shapes))
     spans = _LANDINGS[key]
@@ -56,10 +53,7 @@ def landing_views(
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape)
 
 
 def _probe(
