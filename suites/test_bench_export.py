@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.adapter_states import make_native_adapter
+from fixtures.host_state import memory_state
 from fixtures.impl_loader import load_impl
 from fixtures.multirank import run_ranks
 
@@ -115,7 +116,7 @@ def _report(runs: dict[int, dict]) -> str:
         return [f"{med[ws][k] * 1e3:.0f} ms ({mb / med[ws][k]:.0f} MiB/s)" for ws in cols]
 
     lines = [
-        f"\nexport bench: adapter {mb:.1f} MiB, median of {REPEATS}",
+        f"\nexport bench: adapter {mb:.1f} MiB, median of {REPEATS}; {memory_state()}",
         _row("", [f"{ws} rank(s)" for ws in cols]),
         _row("plain save_file", timing("plain")),
         _row("save_file + fsync", timing("durable")),

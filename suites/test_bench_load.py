@@ -27,6 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fixtures.host_state import memory_state
 from fixtures.native_weights import ensure_single_rank_megatron
 from tiny_models.manifest import manifest
 from tiny_models.presets import CSA, flash_config
@@ -165,7 +166,7 @@ def test_bridge_load_of_one_flash_layer_share_vs_raw_safetensors_read(impl, laye
     lines = "".join(f"  {k:26s}: {v:7.3f} s  {gb / v:6.2f} GB/s  (median of {REPEATS})\n" for k, v in med.items())
     print(
         f"\nFlash layer share (CSA, {cfg.n_routed_experts} experts = 1/{EP}): {gb:.3f} GB in {len(files)} file, "
-        f"{totals['loaded']} tensors loaded ({experts / 1e6:.0f} M expert parameters), bf16 model\n"
+        f"{totals['loaded']} tensors loaded ({experts / 1e6:.0f} M expert parameters), bf16 model; {memory_state()}\n"
         f"{lines}  bridge, first load in process: {first:7.3f} s\n"
         f"  ratio bridge / raw fresh    : {ratio:.2f}x  (goal >= {GOAL}x){'' if ratio >= GOAL else '  BELOW GOAL'}\n"
         f"  ratio bridge / raw recycled : {recycled / med['bridge']:.2f}x  (a memory copy of the page cache: "
