@@ -60,6 +60,7 @@ from impl.compat.megatron_bridge import (
 )
 from impl.conversion.checkpoint import (
     QUANT_PREFIXES,
+    QUANTIZED_DTYPES,
     Header,
     LazyState,
     effective_shape,
@@ -423,12 +424,14 @@ def _dequantize_in_place(
     if maybe_dequantize_hf_quantized_weight is None or _tp_size_of(mapping) != 1:
         return False
     names = mapping.hf_param if isinstance(mapping.hf_param, dict) else {"": mapping.hf_param}
-    writers = {k: dequantizer_into(name, state) for k, name in names.items()}
-    if any(w is None for w in writers.values()):
-        return False
+    if any(headers[name].dtype not in QUANTIZED_DTYPES for name in names.values()):
+        return False  # decided from the headers: a plain tensor is read once, by Bridge's path
     shapes = {k: effective_shape(name, headers) for k, name in names.items()}
     views = landing_views(row, mapping, nt.module, nt.tensor, shapes)
     if views is None:
+        return False
+    writers = {k: dequantizer_into(name, state) for k, name in names.items()}
+    if any(w is None for w in writers.values()):
         return False
     for k, write in writers.items():
         write(views[k])

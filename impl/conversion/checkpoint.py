@@ -27,6 +27,7 @@ except ModuleNotFoundError:
     maybe_dequantize_hf_quantized_weight = None
 
 __all__ = [
+    "QUANTIZED_DTYPES",
     "QUANT_PREFIXES",
     "Header",
     "LazyState",
@@ -69,13 +70,14 @@ def effective_shape(name: str, headers: dict[str, Header]) -> tuple[int, ...]:
 # UE8M0 (instruct) or F32 (*-Base) block scales: docs/reference/v4_architecture.md §3.3
 _SCALE_DTYPES = ("F8_E8M0", "F32")
 _PLAIN_DTYPES = ("F32", "BF16", "F16", "I64", "I32")
+QUANTIZED_DTYPES = ("F8_E4M3", "I8")  # FP8 E4M3, MXFP4 (two e2m1 codes per int8 byte)
 _FP8_BLOCK, _MXFP4_BLOCK = 128, 32
 QUANT_PREFIXES = ("unscaled ", "bad scale ", "bad quantized weight ", "undequantizable ")
 
 
 def quantization_problems(name: str, headers: dict[str, Header]) -> list[str]:
     problems = _scale_problems(name, headers)
-    if maybe_dequantize_hf_quantized_weight is None and headers[name].dtype in ("F8_E4M3", "I8"):
+    if maybe_dequantize_hf_quantized_weight is None and headers[name].dtype in QUANTIZED_DTYPES:
         problems.append(
             f"undequantizable {name}: {headers[name].dtype} weight, but this megatron-bridge has no "
             "models.conversion.quantization_utils dequantizer (added in 0.5.0); use megatron-bridge>=0.5 "
@@ -93,7 +95,7 @@ def _scale_problems(name: str, headers: dict[str, Header]) -> list[str]:
     fix = (
         "re-quantize it (FP8 E4M3 + 128x128 scales, or MXFP4 int8 + [out, in/32] UE8M0 scales) or store it unquantized"
     )
-    if h.dtype in ("F8_E4M3", "I8"):
+    if h.dtype in QUANTIZED_DTYPES:
         if sh is None:
             return [f"unscaled {name}: {h.dtype} weight {h.shape} has no {scale} companion; {fix}"]
         if len(h.shape) != 2:

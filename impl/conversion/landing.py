@@ -5,9 +5,9 @@ the result into the parameter. For a quantized weight on a rank without tensor p
 full-size dequantized tensor, Bridge's concatenation of gate and up (a fresh allocation) and the copy, about three
 times the work of the dequantization itself. Where Bridge only *places* the tensors (returns its input, or
 concatenates inputs), the loader can instead dequantize straight into the parameter at the places Bridge would
-have put them. Those places are never assumed: :func:`landing_views` asks the mapping, once per mapping class and
-shapes, with a probe whose every element holds its own index, and returns views of the parameter only when the
-result proves each input lands whole, in order, in one contiguous span. Anything else (tensor parallelism,
+have put them. Those places are never assumed: :func:`landing_views` asks the mapping, once per table row, module
+class, parameter and input shapes, with a probe whose every element holds its own index, and returns views of the
+parameter only when the result proves each input lands whole, in order, in one contiguous span. Anything else (tensor parallelism,
 transposes, casts, padding, a Bridge version that lays things out differently) returns None and the load takes
 Bridge's path as before.
 
@@ -49,11 +49,7 @@ def landing_views(
     if spans is None:
         return None
     flat = param.view(-1)
-    return {k: flat[start : start + _numel(shape)].view(shape) for k, (start, shape) in spans.items()}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
+    return {k: flat[start : start + math.prod(shape)].view(shape) for k, (start, shape) in spans.items()}
 
 
 def _probe(
@@ -62,7 +58,7 @@ def _probe(
     """Run Bridge's mapping on index tensors (input ``k`` holds ``offset_k .. offset_k + n_k - 1``) and read back
     where every input went: a contiguous span per input, all of the parameter covered, or None. One input: Bridge
     must hand back the very tensor (no values needed, so the probe touches no memory)."""
-    total = sum(_numel(s) for s in shapes.values())
+    total = sum(math.prod(s) for s in shapes.values())
     if total != param.numel():
         return None
     index_dtype = torch.int32 if total < 2**31 else torch.int64
@@ -73,8 +69,8 @@ def _probe(
     offsets, sources, start = {}, {}, 0
     for k, shape in shapes.items():
         offsets[k] = start
-        sources[k] = torch.arange(start, start + _numel(shape), dtype=index_dtype, device=param.device).view(shape)
-        start += _numel(shape)
+        sources[k] = torch.arange(start, start + math.prod(shape), dtype=index_dtype, device=param.device).view(shape)
+        start += math.prod(shape)
     result = _run(mapping, sources, module)
     if not isinstance(result, torch.Tensor) or result.dtype != index_dtype or tuple(result.shape) != param.shape:
         return None
