@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fixtures.host_state import memory_state
+from fixtures.host_state import memory_state, torch_threads
 from fixtures.native_weights import ensure_single_rank_megatron
 from tiny_models.manifest import manifest
 from tiny_models.presets import CSA, flash_config
@@ -73,10 +73,8 @@ def _random(shape: tuple[int, ...], dtype: str, gen: torch.Generator) -> torch.T
 
 @pytest.fixture
 def all_cores():
-    before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    yield torch.get_num_threads()
-    torch.set_num_threads(before)
+    with torch_threads(os.cpu_count() or 1) as n:
+        yield n
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +103,8 @@ def _timed(fn) -> float:
 
 def _with_threads(n: int, fn):
     def run():
-        before = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
+        with torch_threads(n):
             fn()
-        finally:
-            torch.set_num_threads(before)
 
     return run
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures.host_state import torch_threads
 from tiny_models.quantize import dequantize_fp8, dequantize_mxfp4
 
 pytestmark = pytest.mark.cpu
@@ -85,28 +86,22 @@ def test_fp8_block_scaled_matches_megatron_bridge_bit_for_bit(impl, dtype, rows,
     assert _same(got, reference), "FP8 values differ from tiny_models' reference"
 
 
-@pytest.fixture
-def torch_threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
-@pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
+@pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-def test_a_weight_split_over_threads_dequantizes_to_megatron_bridges_bits(impl, torch_threads, fmt):
+def test_a_weight_split_over_threads_dequantizes_to_megatron_bridges_bits(impl, threads, fmt):
     """Large weights are gathered by one thread per torch thread (uneven parts, a partial last row block)."""
-    gen = torch.Generator().manual_seed(torch_threads)
+    gen = torch.Generator().manual_seed(threads)
     if fmt == "mxfp4":
         weight = torch.randint(-128, 128, (1536, 1024), generator=gen, dtype=torch.int16).to(torch.int8)
         scale = _e8m0((1536, 2048 // 32), gen, 110, 140)
-        got = impl.dequantize_mxfp4(weight, scale, dtype=torch.bfloat16)
+        with torch_threads(threads):
+            got = impl.dequantize_mxfp4(weight, scale, dtype=torch.bfloat16)
     else:
         codes = torch.randint(0, 127, (1500, 1100), generator=gen, dtype=torch.int16)
         weight = (codes | torch.randint(0, 2, codes.shape, generator=gen, dtype=torch.int16) << 7).to(torch.uint8)
         weight = weight.view(torch.float8_e4m3fn)
         scale = _e8m0((12, 9), gen, 110, 140)
-        got = impl.dequantize_fp8_blocks(weight, scale, dtype=torch.bfloat16)
+        with torch_threads(threads):
+            got = impl.dequantize_fp8_blocks(weight, scale, dtype=torch.bfloat16)
     want = _bridge(impl, "w.weight", weight, scale, torch.bfloat16)
-    assert _same(got, want), f"{fmt} over {torch_threads} threads: differs at {(got != want).sum()} places"
+    assert _same(got, want), f"{fmt} over {threads} threads: differs at {(got != want).sum()} places"

@@ -12,6 +12,7 @@ from hypothesis import given, note
 from safetensors.torch import load_file
 
 import fixtures.asserts as ah
+from fixtures.host_state import torch_threads
 from fixtures.strategies import v4_configs
 from tiny_models.checkpoint import (
     build_random_model,
@@ -35,10 +36,8 @@ ALL_PRESETS = sorted(PRESETS)
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():
     """Tiny matmuls lose to thread hand-off on a shared 2-core host; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def _ids(cfg, seed: int = 0, batch: int = 2) -> torch.Tensor:
