@@ -3,6 +3,8 @@ and nothing is published: the destination stays exactly as it was."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -239,13 +241,21 @@ def test_a_cleanup_failure_after_the_commit_point_warns_and_keeps_the_committed_
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=str)
+@pytest.mark.parametrize(
+    "bad", [float("nan"), -float("nan"), float("inf"), float("-inf")], ids=["nan", "-nan", "inf", "-inf"]
+)
 def test_a_non_finite_value_past_the_first_chunk_is_refused_by_the_file_export(api, tmp_path, dtype, bad) -> None:
-    """The file export checks finiteness on the bytes it writes, chunk by chunk: the last element of a tensor
-    several chunks long must be seen, in every floating dtype the checker reads by its bits."""
+    """The file export checks the finiteness of every byte it publishes: the last element of a tensor several
+    8 MiB write chunks long must be seen, in every floating dtype the checker reads by its bits, whatever the
+    sign bit of the NaN or Inf."""
     tensors = {k: v.to(dtype) for k, v in _good().items()}
     big = torch.zeros(3_000_000, R, dtype=dtype)  # 24-48 MB: several 8 MiB chunks
     big[-1, -1] = bad
+    if math.copysign(1.0, bad) < 0:  # a cast may drop a NaN's sign: set the sign bit itself
+        as_int = big.view({2: torch.int16, 4: torch.int32}[big.element_size()])
+        as_int[-1, -1] |= torch.iinfo(as_int.dtype).min
+    assert bool(big[-1, -1].signbit()) == (math.copysign(1.0, bad) < 0), "the bad value's sign bit is not as meant"
+    assert not torch.isfinite(big[-1, -1].float()), "the bad value is finite: the case tests nothing"
     tensors[B0] = big
     out = tmp_path / "adapter"
     with pytest.raises(api.CollectiveExportError, match=B0.replace(".", r"\.") + r".*NaN/Inf") as info:

@@ -287,21 +287,25 @@ def publish_in_memory(
 
 # ------------------------------------------------------------------------------------------------- finiteness
 
-#: NaN/Inf <=> every exponent bit set <=> the bits without the sign, read unsigned, >= the exponent mask
-EXPONENT_MASKS: dict[torch.dtype, tuple[type, int]] = {
-    torch.bfloat16: (np.uint16, 0x7F80),
-    torch.float16: (np.uint16, 0x7C00),
-    torch.float32: (np.uint32, 0x7F800000),
+#: NaN/Inf <=> every exponent bit set <=> the bits without the sign, read unsigned, >= the exponent mask.
+#: Per dtype: (signed and unsigned integer of its width, exponent mask).
+EXPONENT_MASKS: dict[torch.dtype, tuple[type, type, int]] = {
+    torch.bfloat16: (np.int16, np.uint16, 0x7F80),
+    torch.float16: (np.int16, np.uint16, 0x7C00),
+    torch.float32: (np.int32, np.uint32, 0x7F800000),
 }
 
 
-def finite_bits(raw: np.ndarray, dtype: torch.dtype, scratch: np.ndarray | None = None) -> bool:
-    """No NaN/Inf among the bytes ``raw`` of a ``dtype`` in :data:`EXPONENT_MASKS` (whole elements). ``scratch``
-    (at least ``raw``'s size, any dtype) receives the masked values instead of a fresh temporary."""
-    uint, mask = EXPONENT_MASKS[dtype]
-    values = raw.view(uint)
-    out = None if scratch is None else scratch.view(uint)[: values.size]
-    return int(np.bitwise_and(values, ~uint(0) >> 1, out=out).max(initial=0)) < mask
+def finite_bits(raw: np.ndarray, dtype: torch.dtype) -> bool:
+    """No NaN/Inf among the bytes ``raw`` of a ``dtype`` in :data:`EXPONENT_MASKS` (whole elements).
+
+    Two reductions that only read: read signed, a positive NaN/Inf is the largest value (>= the mask); read
+    unsigned, a negative one is (>= sign bit | mask). No temporary the size of the tensor, unlike masking first."""
+    signed, unsigned, mask = EXPONENT_MASKS[dtype]
+    if raw.size == 0:
+        return True
+    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+    return int(raw.view(signed).max()) < mask and int(raw.view(unsigned).max()) < (sign | mask)
 
 
 def all_finite(t: torch.Tensor) -> bool:

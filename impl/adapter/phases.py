@@ -32,7 +32,7 @@ from impl.adapter.files import (
     sidecars,
     write_marker,
 )
-from impl.adapter.staged import StagedFileCheck, check_header
+from impl.adapter.staged import StagedFileCheck
 from impl.adapter.validation import AdapterValidationError
 from impl.adapter.writer import HashedWrite, write_safetensors
 
@@ -87,7 +87,7 @@ def fsync(ctx: ExportContext) -> None:
     if ctx.writer:
         staging, _, _ = sidecars(ctx.out_dir)
         # The re-read check needs only the page cache, so it runs while this phase waits for the disk.
-        ctx.check = StagedFileCheck(staging / ADAPTER_FILE, ctx.payload, ctx.built.sources, ctx.written)
+        ctx.check = StagedFileCheck(staging / ADAPTER_FILE, ctx.payload, ctx.built, ctx.written)
         # Side by side: the small syncs join the adapter's journal commit instead of each waiting for one of its own.
         paths = (staging / ADAPTER_FILE, staging / CONFIG_FILE, staging)
         with ThreadPoolExecutor(max_workers=len(paths)) as pool:
@@ -103,7 +103,6 @@ def validate(ctx: ExportContext) -> None:
         return
     staging, _, _ = sidecars(ctx.out_dir)
     ctx.check.verify()
-    check_header(staging, ctx.built)
     ctx.payload_size = (staging / ADAPTER_FILE).stat().st_size
     raw = (staging / CONFIG_FILE).read_bytes()
     if json.loads(raw) != json.loads(config_text(ctx.built.config)):
@@ -119,13 +118,15 @@ def publish(ctx: ExportContext) -> None:
     set_aside(ctx.out_dir)
     os.replace(staging, ctx.out_dir)
     fsync_path(ctx.out_dir.parent)
-    # Cheap post-rename check: the published files are the validated ones (size + header).
-    size = (ctx.out_dir / ADAPTER_FILE).stat().st_size
-    if size != ctx.payload_size:
+    # Cheap post-rename check: the published file is the validated one (its size and its header bytes).
+    published = ctx.out_dir / ADAPTER_FILE
+    with open(published, "rb") as f:
+        size, head = os.fstat(f.fileno()).st_size, f.read(len(ctx.written.head))
+    if size != ctx.payload_size or head != ctx.written.head:
         raise AdapterValidationError(
-            f"{ctx.out_dir / ADAPTER_FILE}: {size} bytes published, {ctx.payload_size} validated"
+            f"{published}: the published file is not the validated one ({size} bytes published, "
+            f"{ctx.payload_size} validated{'' if head == ctx.written.head else '; its header differs'})"
         )
-    check_header(ctx.out_dir, ctx.built)
 
 
 def marker(ctx: ExportContext) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from impl.adapter.build import EXPONENT_MASKS, BuiltAdapter, NonFiniteAdapterError, all_finite, raw_bytes
+from impl.adapter.build import EXPONENT_MASKS, BuiltAdapter, NonFiniteAdapterError, all_finite, finite_bits
 from impl.adapter.files import ADAPTER_FILE
 from impl.adapter.validation import AdapterValidationError
 from impl.adapter.writer import ST_DTYPES, HashedWrite
@@ -21,19 +21,20 @@ from impl.adapter.writer import ST_DTYPES, HashedWrite
 class StagedFileCheck:
     """Background re-read of a written safetensors file through one read-only mmap, started as soon as it is
     written, so it runs while the fsync phase waits for the disk: one thread compares the file's header bytes with
-    those written and every tensor's bytes with the in-memory tensor it must hold (it releases the GIL).
-    :meth:`verify` waits for it and for the writer's NaN/Inf check of the bytes it wrote, and raises
-    :class:`AdapterValidationError` / :class:`NonFiniteAdapterError` (naming the native tensor, from ``sources``).
+    those written and every tensor's bytes with the in-memory tensor it must hold, then checks that tensor for
+    NaN/Inf while it is in the CPU cache (numpy releases the GIL), and last reads the header back with the
+    safetensors library (:func:`check_header`). :meth:`verify` waits for it and raises
+    :class:`AdapterValidationError` / :class:`NonFiniteAdapterError` (naming the native tensor, from the built adapter's ``sources``).
     The file then holds exactly the bytes the writer hashed as it wrote them: :meth:`digest` is their sha256."""
 
     def __init__(
         self,
         path: Path,
         payload: Mapping[str, torch.Tensor],
-        sources: Mapping[str, str],
+        built: BuiltAdapter,
         written: HashedWrite,
     ):
-        self.path, self.payload, self.sources, self.written = path, payload, sources, written
+        self.path, self.payload, self.built, self.written = path, payload, built, written
         self.errors: list[str] = []
         self.nonfinite: list[str] = []
         with open(path, "rb") as f:
@@ -44,6 +45,10 @@ class StagedFileCheck:
     def _compare_guarded(self) -> None:
         try:
             self._compare()
+            if not self.errors:
+                check_header(self.path.parent, self.built)
+        except AdapterValidationError as exc:
+            self.errors.append(str(exc))
         except Exception as exc:  # reported by verify(), on the phase's own thread
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -55,21 +60,22 @@ class StagedFileCheck:
         # the header on disk is the one written, so each tensor lies where the writer put it
         for name, want in self.payload.items():
             start, end = self.written.spans[name]
-            if not _same_bytes(buf[start:end], raw_bytes(want)):
+            raw = self.written.raw[name]
+            if not _same_bytes(buf[start:end], raw):
                 self.errors.append(f"{self.path}: tensor {name} on disk differs from the export")
-            elif want.dtype not in EXPONENT_MASKS and not all_finite(want):  # the writer checked the others
+            elif not (finite_bits(raw, want.dtype) if want.dtype in EXPONENT_MASKS else all_finite(want)):
                 self.nonfinite.append(name)
         del buf
 
     def verify(self) -> None:
         """The file holds exactly the exported tensors, all finite (else raise, naming them)."""
         self.comparing.join()
-        self.payload = {}  # the in-memory copy is no longer needed
+        self.payload = {}  # the in-memory copy is no longer needed, nor the writer's views of it
+        self.written.raw.clear()
         if self.errors:
             raise AdapterValidationError("; ".join(self.errors))
-        nonfinite = self.written.nonfinite_tensors() + self.nonfinite
-        if nonfinite:
-            named = ", ".join(f"{self.sources.get(name, name)} (exported as {name})" for name in nonfinite)
+        if self.nonfinite:
+            named = ", ".join(f"{self.built.sources.get(name, name)} (exported as {name})" for name in self.nonfinite)
             raise NonFiniteAdapterError(f"{named} hold(s) NaN/Inf values; refusing to publish a corrupt adapter")
 
     def digest(self) -> str:

@@ -3,9 +3,9 @@
 ``.complete`` certifies the file's sha256. Hashing the file once written is the export's longest CPU step after
 the write itself, and ``safetensors.torch.save_file`` cannot be tailed (it writes a private temporary, maps it and
 renames it). Writing the format ourselves lets a second thread hash the very bytes in file order while the first
-writes them, and check the floating-point tensors for NaN/Inf while each chunk is in its cache, so the digest and
-the verdict are ready about when the file is. The validate phase still reads the file back with the
-safetensors library (its header) and byte for byte (its tensors).
+writes them, so the digest is ready about when the file is. The validate phase still reads the file back with the
+safetensors library (its header) and byte for byte (its tensors), checking the tensors for NaN/Inf in the same
+pass (:mod:`impl.adapter.staged`): that thread has the slack while the fsync waits for the disk, the hash has none.
 
 The safetensors format (its README, "Format"): an 8-byte little-endian header size N, N bytes
 of JSON (``__metadata__`` plus, per tensor, dtype, shape and ``data_offsets`` into the data that follows), padded
@@ -21,13 +21,13 @@ import json
 import os
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from impl.adapter.build import EXPONENT_MASKS, finite_bits, raw_bytes
+from impl.adapter.build import raw_bytes
 
 #: safetensors' dtype names, largest first: the library's layout order
 ST_DTYPES: dict[torch.dtype, str] = {
@@ -43,7 +43,7 @@ ST_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _LAYOUT_RANK = {dtype: i for i, dtype in enumerate(ST_DTYPES)}
-_WRITE_CHUNK = 8 << 20  # bytes per os.write: hashed and checked by the other thread while the next is written
+_WRITE_CHUNK = 8 << 20  # bytes per os.write: hashed by the other thread while the next is written
 
 
 def safetensors_header(
@@ -69,50 +69,44 @@ def safetensors_header(
 
 
 class _Hasher(threading.Thread):
-    """sha256 of the chunks put on its queue, in order (``None`` ends it), and, while each chunk is in the CPU
-    cache, a NaN/Inf check of the floating-point tensors' elements in it (both release the GIL)."""
+    """sha256 of the chunks put on its queue, in order (``None`` ends it); hashlib releases the GIL."""
 
     def __init__(self) -> None:
         super().__init__(name="dsv4-adapter-hash", daemon=True)
-        self.chunks: queue.SimpleQueue[tuple[memoryview, str, torch.dtype | None] | None] = queue.SimpleQueue()
+        self.chunks: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self.sha = hashlib.sha256()
-        self.nonfinite: list[str] = []  # tensor names, in file order
         self.error = ""
 
     def run(self) -> None:
-        scratch = np.empty(_WRITE_CHUNK, dtype=np.uint8)
-        while (item := self.chunks.get()) is not None:
+        while (chunk := self.chunks.get()) is not None:
             if self.error:
                 continue  # drain: the writer must never block on a dead consumer
-            chunk, name, dtype = item
             try:
                 self.sha.update(chunk)
-                if dtype is not None and (not self.nonfinite or self.nonfinite[-1] != name):
-                    if not finite_bits(np.frombuffer(chunk, dtype=np.uint8), dtype, scratch):
-                        self.nonfinite.append(name)
-            except Exception as exc:  # reported by digest() / nonfinite_tensors()
+            except Exception as exc:  # reported by digest()
                 self.error = f"{type(exc).__name__}: {exc}"
 
 
 class HashedWrite:
     """A file :func:`write_safetensors` wrote: its first bytes (``head``: size and header), each tensor's byte span
-    in it (``spans``), its sha256 and the tensors that hold NaN/Inf (the last two wait for the hashing thread)."""
+    in it (``spans``) and the bytes written there (``raw``, views of the tensors), and its sha256 (which waits for
+    the hashing thread)."""
 
-    def __init__(self, hasher: _Hasher, head: bytes, spans: dict[str, tuple[int, int]], path: Path):
-        self._hasher, self.head, self.spans, self.path = hasher, head, spans, path
+    def __init__(
+        self,
+        hasher: _Hasher,
+        head: bytes,
+        spans: dict[str, tuple[int, int]],
+        raw: dict[str, np.ndarray],
+        path: Path,
+    ):
+        self._hasher, self.head, self.spans, self.raw, self.path = hasher, head, spans, raw, path
 
-    def _done(self) -> _Hasher:
+    def digest(self) -> str:
         self._hasher.join()
         if self._hasher.error:
             raise OSError(f"{self.path}: hashing the written bytes failed ({self._hasher.error})")
-        return self._hasher
-
-    def digest(self) -> str:
-        return self._done().sha.hexdigest()
-
-    def nonfinite_tensors(self) -> list[str]:
-        """The tensors (of a dtype in :data:`EXPONENT_MASKS`) with a NaN or Inf among the bytes written."""
-        return list(self._done().nonfinite)
+        return self._hasher.sha.hexdigest()
 
 
 def write_safetensors(
@@ -122,14 +116,15 @@ def write_safetensors(
     computed from the same bytes as they are written. Raises ``FileExistsError`` if ``path`` exists; on any error
     the partial file is removed."""
     head, spans = safetensors_header(tensors, metadata)
+    raw = {name: raw_bytes(tensors[name]) for name in spans}  # file order
     hasher = _Hasher()
     hasher.start()
     path = Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides the mode, as for open()
     try:
-        for item in _chunks(head, list(spans), tensors):
-            hasher.chunks.put(item)
-            _write_all(fd, item[0])
+        for chunk in _chunks(head, raw):
+            hasher.chunks.put(chunk)
+            _write_all(fd, chunk)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
@@ -137,17 +132,16 @@ def write_safetensors(
     finally:
         hasher.chunks.put(None)
     os.close(fd)
-    return HashedWrite(hasher, head, spans, path)
+    return HashedWrite(hasher, head, spans, raw, path)
 
 
-def _chunks(head: bytes, order: list[str], tensors: Mapping[str, torch.Tensor]):
-    """(bytes, tensor name, dtype to check for NaN/Inf or None) in file order, the header first."""
-    yield memoryview(head), "", None
-    for name in order:
-        dtype = tensors[name].dtype if tensors[name].dtype in EXPONENT_MASKS else None
-        view = memoryview(raw_bytes(tensors[name]))
+def _chunks(head: bytes, raw: Mapping[str, np.ndarray]) -> Iterator[memoryview]:
+    """The file's bytes in order, the header first, in pieces of at most :data:`_WRITE_CHUNK`."""
+    yield memoryview(head)
+    for data in raw.values():
+        view = memoryview(data)
         for i in range(0, len(view), _WRITE_CHUNK):
-            yield view[i : i + _WRITE_CHUNK], name, dtype
+            yield view[i : i + _WRITE_CHUNK]
 
 
 def _write_all(fd: int, chunk: memoryview) -> None:
