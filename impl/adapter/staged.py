@@ -24,8 +24,9 @@ class StagedFileCheck:
     those written and every tensor's bytes with the in-memory tensor it must hold, then checks that tensor for
     NaN/Inf while it is in the CPU cache (numpy releases the GIL), and last reads the header back with the
     safetensors library (:func:`check_header`). :meth:`verify` waits for it and raises
-    :class:`AdapterValidationError` / :class:`NonFiniteAdapterError` (naming the native tensor, from the built adapter's ``sources``).
-    The file then holds exactly the bytes the writer hashed as it wrote them: :meth:`digest` is their sha256."""
+    :class:`AdapterValidationError` / :class:`NonFiniteAdapterError` (naming the native tensor, from the built
+    adapter's ``sources``). The file then holds exactly the bytes the writer hashed as it wrote them:
+    :meth:`digest` is their sha256."""
 
     def __init__(
         self,
