@@ -6,8 +6,8 @@ medians, throughput, peak extra RSS and ratios; never asserts on time. The basel
 ``save_file`` followed by ``fsync`` (the export must be durable, a plain save is not): targets export <= 1.5x of it
 at 1 rank and <= 2x at 4 ranks; peak extra memory < 2x the adapter bytes. Each repeat times the three side by
 side (plain, durable, export), so load from other processes hits them alike; each removes what it wrote and lets
-the disk settle before the next step, outside the timing. The first round is a warm-up: its export (imports and
-first use of everything on the export path, what a training job's first export costs) is printed on its own line.
+the disk settle before the next step, outside the timing. The first round is a warm-up and not counted: on this
+VM its steps write into memory the guest has not used yet, and a first touch costs a host fault (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ def _rank_bench(rank: int, world_size: int, case: BenchCase) -> dict | None:
     nbytes = sum(t.numel() * t.element_size() for t in native.values())
     state = api.AdapterState(native, r=RANK, alpha=32.0) if writer else None
     root = Path(case.root)
-    samples: dict[str, list] = {"plain": [], "durable": [], "export": [], "first export": []}
+    samples: dict[str, list] = {"plain": [], "durable": [], "export": []}
     for i in range(WARMUP + REPEATS):
-        timed = i >= WARMUP  # the first round pays one-time costs (imports, first touch): reported apart
+        timed = i >= WARMUP
         if writer:
             tensors, _ = api.publish_in_memory(state)  # same names; renaming is free (no copies)
             plain = _timed_peak(lambda t=tensors: save_file(t, str(root / "plain.safetensors")))
@@ -112,7 +112,8 @@ def _rank_bench(rank: int, world_size: int, case: BenchCase) -> dict | None:
         if dist.is_initialized():
             dist.barrier()  # every rank enters the export together
         exported = _timed_peak(lambda: api.export_adapter(lambda: state, root / "out", timeout_s=120))
-        samples["export" if timed else "first export"].append(exported)
+        if timed:
+            samples["export"].append(exported)
         if writer:
             _settle(root / "out")
     return {"bytes": nbytes, **samples} if writer else None
@@ -142,7 +143,6 @@ def _report(runs: dict[int, dict]) -> str:
         _row("plain save_file", timing("plain")),
         _row("save_file + fsync", timing("durable")),
         _row("export_adapter", timing("export")),
-        _row("first export (warm-up)", [f"{runs[ws]['first export'][0][0] * 1e3:.0f} ms" for ws in cols]),
         _row(
             "export / save + fsync",
             [f"{med[ws]['export'] / med[ws]['durable']:.2f}x (<= {TARGETS[ws]}x)" for ws in cols],
