@@ -82,7 +82,10 @@ def _settle(*paths: Path) -> None:
     """Remove what a timed step wrote and let the disk finish with it, outside the timing: every repeat then
     writes into the same page-cache state, and no step waits for an earlier one's deletion (this disk discards)."""
     for path in paths:
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     os.sync()
 
 

@@ -72,7 +72,7 @@ class StagedFileCheck:
         """The file holds exactly the exported tensors, all finite (else raise, naming them)."""
         self.comparing.join()
         self.payload = {}  # the in-memory copy is no longer needed, nor the writer's views of it
-        self.written.raw.clear()
+        self.written.release()
         if self.errors:
             raise AdapterValidationError("; ".join(self.errors))
         if self.nonfinite:

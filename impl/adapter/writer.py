@@ -102,6 +102,10 @@ class HashedWrite:
     ):
         self._hasher, self.head, self.spans, self.raw, self.path = hasher, head, spans, raw, path
 
+    def release(self) -> None:
+        """Drop the views of the written tensors once nothing compares with them any more."""
+        self.raw = {}
+
     def digest(self) -> str:
         self._hasher.join()
         if self._hasher.error:

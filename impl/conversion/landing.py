@@ -7,9 +7,9 @@ times the work of the dequantization itself. Where Bridge only *places* the tens
 concatenates inputs), the loader can instead dequantize straight into the parameter at the places Bridge would
 have put them. Those places are never assumed: :func:`landing_views` asks the mapping, once per table row, module
 class, parameter and input shapes, with a probe whose every element holds its own index, and returns views of the
-parameter only when the result proves each input lands whole, in order, in one contiguous span. Anything else (tensor parallelism,
-transposes, casts, padding, a Bridge version that lays things out differently) returns None and the load takes
-Bridge's path as before.
+parameter only when the result proves each input lands whole, in order, in one contiguous span. Anything else
+(tensor parallelism, transposes, casts, padding, a Bridge version that lays things out differently) returns None
+and the load takes Bridge's path as before.
 
 Only for ranks whose mapping has tensor-parallel size 1: there Bridge's mappings communicate with no one, so the
 probe, run on any rank at any point of its plan, can never meet a collective.
