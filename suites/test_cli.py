@@ -115,6 +115,38 @@ def test_qualify_reload_tolerance_scales_with_the_logits_and_reports_its_margin(
     assert reload["margin"] >= 4, f"reload margin {reload['margin']:.1f}: one machine away from a false failure"
 
 
+#: transformers' DeepseekV4Attention module names of the five targets (modeling_deepseek_v4)
+TRANSFORMERS_LEAVES = {"wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv": "kv_proj", "wo_a": "o_a_proj", "wo_b": "o_b_proj"}
+
+
+def test_qualify_reload_could_see_any_one_lost_target_or_layer(qualified, tmp_path):
+    """The reload's tolerance lies below the effect of every single target and every single layer of the adapter,
+    and the weakest of each, measured again with stock PEFT alone (lora_B zeroed, merged), agrees with the report
+    to within the rounding of the two measurements (one tolerance each)."""
+    import torch
+
+    from fixtures.adapter_effects import part_effect
+
+    reload = _check(json.loads((qualified / "qualify.json").read_text()), "reload")["detail"]
+    by_target, by_layer = reload["effect_by_target"], reload["effect_by_layer"]
+    assert set(by_target) == set(TRANSFORMERS_LEAVES), f"effects reported for {sorted(by_target)}"
+    assert sorted(map(int, by_layer)) == list(range(len(by_layer))) and by_layer, f"layers {sorted(by_layer)}"
+    tol = reload["tolerance"]
+    assert reload["conclusive"] is True and tol < min([*by_target.values(), *by_layer.values()]), reload
+    ids = torch.tensor(reload["eval_batch"])
+    base, adapter = qualified / "base", qualified / "adapter"
+    target = min(by_target, key=by_target.get)
+    leaf = TRANSFORMERS_LEAVES[target]
+    layer = int(min(by_layer, key=by_layer.get))
+    for part, reported, select in (
+        (f"target {target}", by_target[target], lambda n, lf: lf == leaf),
+        (f"layer {layer}", by_layer[str(layer)], lambda n, lf: n == layer),
+    ):
+        measured = part_effect(base, adapter, ids, select, tmp_path / part.replace(" ", "-"))
+        assert measured > tol, f"{part}: stock PEFT measures its effect {measured:.2e} <= tolerance {tol:.2e}"
+        assert abs(measured - reported) <= 2 * tol, f"{part}: reported effect {reported:.4e}, stock PEFT {measured:.4e}"
+
+
 def _copy_base(qualified: Path, tmp_path: Path) -> Path:
     base = tmp_path / "base"
     shutil.copytree(qualified / "base", base)

@@ -9,8 +9,9 @@ sync) returns its result and the file export writes it, so the file is the in-me
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,9 @@ class BuildOptions:
     dialect: str = "transformers"
     base_model_name_or_path: str | None = None
     base_fingerprint: Mapping[str, Any] | None = None
+    # a base directory: the writer fingerprints the base weights of the modules it exports (inside the export,
+    # so a failure there is every rank's error, like any other phase's)
+    fingerprint_base: str | os.PathLike | None = None
     base_shapes: Mapping[str, Sequence[int]] | None = None
     mtp: str = "reject"  # "reject" or "exclude" MTP adapters a dialect cannot express
     consumer: str | None = None  # a serving engine whose rules (impl.adapter.consumers) every target must pass
@@ -158,6 +162,22 @@ def _check_declared(st: AdapterState, modules: Mapping[tuple, _Module]) -> None:
                     f"target {t!r} has no tensors in layer {layer} "
                     f"(decoder.layers.{layer}.self_attention.{t}.adapter.*); nothing was exported"
                 )
+
+
+def with_base_fingerprint(state: AdapterState | Mapping[str, AdapterState], opts: BuildOptions) -> BuildOptions:
+    """``opts`` with ``base_fingerprint`` of ``opts.fingerprint_base``: the base weights of every module of
+    ``state`` the dialect can express (MTP ones only where it has an MTP module)."""
+    if opts.fingerprint_base is None:
+        return opts
+    if opts.base_fingerprint is not None:
+        raise ExportError("pass base_fingerprint or fingerprint_base, not both")
+    import impl  # the public function: what a caller (or a fault injected for a test) sees as base_fingerprint
+
+    d = _check_options(_single_state(state), opts)
+    parsed = (parse_native(n) for n in _single_state(state).tensors)
+    names = [official_base_name(p.layer, p.row) for p in parsed if p.layer is not None or d.mtp_module is not None]
+    fingerprint = impl.base_fingerprint(opts.fingerprint_base, sorted(set(names)))
+    return replace(opts, base_fingerprint=fingerprint, fingerprint_base=None)
 
 
 def _base_shapes(opts: BuildOptions) -> dict[str, tuple[int, ...]] | None:
@@ -280,7 +300,7 @@ def publish_in_memory(
     :class:`ExportError` subclass naming the offending tensor on empty/partial/mis-shaped/non-finite input, and
     a :class:`impl.errors.ConsumerSupportError` when ``consumer`` would not apply a target (``allow_unapplied``
     exports anyway and records them in ``dsv4_consumer``). ``options``: the fields of :class:`BuildOptions`."""
-    opts = BuildOptions(**options)
+    opts = with_base_fingerprint(adapter_state, BuildOptions(**options))
     built = build_adapter(adapter_state, opts)
     return built.tensors, built.config
 

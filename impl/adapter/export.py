@@ -133,7 +133,9 @@ def export_adapter(
     :class:`CollectiveExportError` naming each failing rank, and ``out_dir`` is left exactly as it was.
     ``timeout_s`` bounds each phase's wait for peers; it must exceed the slowest phase. ``phases``:
     :data:`EXPORT_PHASES` or a copy with phases wrapped (same names, same order). ``options``: how the state is
-    published, the fields of :class:`impl.adapter.build.BuildOptions` (``dialect``, ``base_fingerprint``, ``mtp``...).
+    published, the fields of :class:`impl.adapter.build.BuildOptions` (``dialect``, ``base_fingerprint``, ``mtp``...);
+    ``fingerprint_base`` (a base directory) has the writer fingerprint the exported modules' base weights in the
+    serialize phase, so a failure there, like one in ``adapter_phase``, is every rank's collective error.
 
     ``consumer`` (``"vllm"``, ``"sglang"``, ``"peft"`` or one engine of :data:`impl.adapter.consumers.CONSUMER_RULES`,
     at ``consumer_version``): the serialize phase judges every exported target by that consumer's rules and fails

@@ -21,7 +21,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from impl.adapter.build import AdapterState, BuildOptions, BuiltAdapter, EmptyAdapterError, build_adapter
+from impl.adapter.build import (
+    AdapterState,
+    BuildOptions,
+    BuiltAdapter,
+    EmptyAdapterError,
+    build_adapter,
+    with_base_fingerprint,
+)
 from impl.adapter.files import (
     ADAPTER_FILE,
     CONFIG_FILE,
@@ -67,7 +74,7 @@ def gather(ctx: ExportContext) -> None:
 
 def serialize(ctx: ExportContext) -> None:
     if ctx.writer:
-        ctx.built = build_adapter(ctx.state, ctx.options, check_finite=False)
+        ctx.built = build_adapter(ctx.state, with_base_fingerprint(ctx.state, ctx.options), check_finite=False)
         ctx.payload = {k: v.to("cpu") for k, v in ctx.built.tensors.items()}
 
 

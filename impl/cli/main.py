@@ -60,7 +60,9 @@ def _print_table(rows: list[tuple[str, str, str]]) -> None:
         print(f"  {name:<{w0}}  {status:<{w1}}  {figure}")
 
 
-def _status(passed: bool | None) -> str:
+def _status(passed: bool | None, inconclusive: bool = False) -> str:
+    if inconclusive:
+        return "INCONCLUSIVE"
     return "PASS" if passed else ("n/a" if passed is None else "FAIL")
 
 
@@ -124,7 +126,9 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     if error:
         checks.append(Check("run", False, headline[:300], {"error": error}, 0.0))
     print()
-    _print_table([("check", "result", "figure")] + [(c.name, _status(c.passed), c.figure) for c in checks])
+    _print_table(
+        [("check", "result", "figure")] + [(c.name, _status(c.passed, c.inconclusive), c.figure) for c in checks]
+    )
     ok = bool(checks) and all(c.passed is not False for c in checks)
     report = {
         "ok": ok,
@@ -247,7 +251,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="parameter dtype (bf16: fp32 grads; logits compared by mean |Δ| <= 0.1, see impl.cli.qualify)",
+        help="parameter dtype (bf16: base logits compared by mean |Δ|, the reload in float32; see impl.cli.logits)",
     )
     q.add_argument("--timeout", type=_positive(float), default=900.0, help="seconds before every rank is stopped")
     q.add_argument("--out", default="out/qualify", help="output directory (adapter, base, report)")
