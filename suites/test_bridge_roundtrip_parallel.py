@@ -2,7 +2,9 @@
 and the loaded sharded model reproduces the transformers oracle's logits."""
 
 import pytest
+import torch
 
+import fixtures.asserts as ah
 from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
 from fixtures.multirank import impl_preload, run_ranks
 from tiny_models.checkpoint import write_checkpoint
@@ -11,7 +13,10 @@ from tiny_models.presets import get_preset, min_seq_len
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
 PRESET = "tiny-tp"  # every TP / EP split of it is even
-LOGIT_TOL = 1e-5
+#: Units of eps(float32) * max|oracle logits|: the sharded native forward and transformers' are two fp32 forwards
+#: of one function, differing by rounding relative to the logits' scale; the same figure as the single-rank
+#: property test (suites/test_native_oracle_property.py), whose docstring holds the analysis.
+LOGIT_ULPS = 128
 FP32_FAMILIES = ("hc_attn_fn", "hc_ffn_base", "hc_head_scale", "attn.attn_sink", "compressor.ape", "ffn.gate.bias")
 
 
@@ -54,9 +59,11 @@ def test_load_then_export_is_bit_exact_on_every_rank(impl, ckpt, nproc, layout):
                 assert dtype == "torch.float32", f"{layout} rank {r.rank}: {name} exported as {dtype}, want fp32"
         assert any(n.endswith("tid2eid") for n in dtypes), f"{layout}: checkpoint has no hash layer (preset changed?)"
         if "logit_diff" in p:
-            assert p["logit_diff"] <= LOGIT_TOL, (
+            tolerance = ah.ulp_tolerance(torch.float32, ulps=LOGIT_ULPS, scale=p["logit_scale"])
+            assert p["logit_diff"] <= tolerance, (
                 f"{layout} rank {r.rank}: logits {p['logits_shape']} differ from the transformers oracle by "
-                f"max|Δ|={p['logit_diff']:.3e} > {LOGIT_TOL}"
+                f"max|Δ|={p['logit_diff']:.3e} > {tolerance:.3e} ({LOGIT_ULPS} units of eps(float32) * "
+                f"max|logits| {p['logit_scale']:.4g})"
             )
     if fields.get("pp", 1) > 1:
         held = [

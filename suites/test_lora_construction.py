@@ -7,9 +7,11 @@ never from the code under test.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -58,30 +60,79 @@ def _wrapped(root: nn.Module) -> set[str]:
     return {n for n, m in root.named_modules() if hasattr(m, "adapter") and hasattr(m, "to_wrap")}
 
 
-@given(
-    spec=v4_configs(),
-    targets=st.lists(st.sampled_from(sorted(MEANT)), min_size=1, max_size=5, unique=True),
-    excluded=st.sets(st.integers(0, 2), max_size=2),
-)
-def test_wrapped_modules_are_exactly_the_meant_ones(impl, megatron_world, spec, targets, excluded):
+def _holders(root: nn.Module, target: str) -> list[int]:
+    """The layers whose attention has the native module ``target`` means (plain string rules on the tree)."""
+    names = {n for n, _ in root.named_modules()}
+    return [i for i in range(len(root.decoder.layers)) if f"decoder.layers.{i}.self_attention.{MEANT[target]}" in names]
+
+
+@st.composite
+def _wrappable_choice(draw: st.DrawFn, root: nn.Module) -> tuple[list[str], set[int]]:
+    """Targets every one of which some layer has, and excluded layers (any of the real range) that leave at
+    least one layer holding a target: a choice that must wrap something."""
+    reachable = [t for t in sorted(MEANT) if _holders(root, t)]
+    targets = draw(st.lists(st.sampled_from(reachable), min_size=1, max_size=5, unique=True), label="targets")
+    holding = sorted({i for t in targets for i in _holders(root, t)})
+    keep = draw(st.sampled_from(holding), label="kept layer")
+    others = [i for i in range(len(root.decoder.layers)) if i != keep]
+    excluded = draw(st.sets(st.sampled_from(others), max_size=len(others)), label="excluded") if others else set()
+    return targets, excluded
+
+
+#: how many examples reached each outcome (printed under ``-s``; the positive test asserts its own share)
+OUTCOMES: Counter[str] = Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_outcomes():
+    yield
+    print("\nLoRA construction outcomes (examples per path):", dict(sorted(OUTCOMES.items())))
+
+
+@given(spec=v4_configs(), data=st.data())
+def test_wrapped_modules_are_exactly_the_meant_ones(impl, megatron_world, spec, data):
     root = _tree(impl, spec.to_config())
+    targets, excluded = data.draw(_wrappable_choice(root), label="targets, excluded")
     expected = _expected(root, targets, excluded)
     exclude = [f"*.layers.{i}.*" for i in sorted(excluded)]
-    present = {n for n, _ in root.named_modules()}
-    absent_layers = sorted(i for i in excluded if f"decoder.layers.{i}" not in present)
-    unreachable = [t for t in targets if not any(n.endswith(".self_attention." + MEANT[t]) for n in present)]
-    offenders = [repr(t) for t in unreachable] + [repr(f"*.layers.{i}.*") for i in absent_layers]
-    if offenders:  # a target or an exclusion that matches no module is a typed error naming it
-        with pytest.raises(impl.TargetError) as info:
-            impl.apply_lora([root], targets=targets, exclude=exclude, rank=2, alpha=4)
-        assert any(o in str(info.value) for o in offenders), f"{info.value} names none of {offenders}"
-        return
-    if not expected:
-        with pytest.raises(impl.TargetError, match="remove every module"):
-            impl.apply_lora([root], targets=targets, exclude=exclude, rank=2, alpha=4)
-        return
+    assert expected, f"the strategy drew a choice that wraps nothing: targets={targets} exclude={exclude}"
     impl.apply_lora([root], targets=targets, exclude=exclude, rank=2, alpha=4)
+    OUTCOMES["wrapped exactly the meant modules"] += 1
+    event("wrapped exactly the meant modules")
     assert _wrapped(root) == expected, f"targets={targets} exclude={exclude}"
+
+
+_FAULTS = ("a target no layer has", "an excluded layer the model lacks", "exclusions that remove every module")
+
+
+@given(spec=v4_configs(), fault=st.sampled_from(_FAULTS), data=st.data())
+def test_targets_or_exclusions_that_match_nothing_raise_naming_them(impl, megatron_world, spec, fault, data):
+    """A target or an exclusion that matches no module is a typed error naming it; so is a choice that leaves
+    nothing to wrap."""
+    root = _tree(impl, spec.to_config())
+    n_layers = len(root.decoder.layers)
+    targets, excluded = data.draw(_wrappable_choice(root), label="targets, excluded")
+    unreachable = [t for t in sorted(MEANT) if not _holders(root, t)]
+    if fault == _FAULTS[0] and not unreachable:  # every target exists in this tree: the next fault instead
+        fault = _FAULTS[1]
+    if fault == _FAULTS[0]:
+        offender = data.draw(st.sampled_from(unreachable), label="unreachable target")
+        targets, offenders = [*targets, offender], [repr(offender)]
+    elif fault == _FAULTS[1]:
+        absent = data.draw(st.integers(n_layers, n_layers + 3), label="absent layer")
+        excluded, offenders = {*excluded, absent}, [repr(f"*.layers.{absent}.*")]
+    else:
+        excluded, offenders = {i for t in targets for i in _holders(root, t)}, []
+    exclude = [f"*.layers.{i}.*" for i in sorted(excluded)]
+    OUTCOMES[f"raised: {fault}"] += 1
+    event(f"raised: {fault}")
+    with pytest.raises(impl.TargetError) as info:
+        impl.apply_lora([root], targets=targets, exclude=exclude, rank=2, alpha=4)
+    if offenders:
+        assert any(o in str(info.value) for o in offenders), f"{info.value} names none of {offenders} ({fault})"
+    else:
+        assert "remove every module" in str(info.value), f"{info.value} ({fault}: targets={targets})"
+    assert not _wrapped(root), f"{fault}: modules wrapped despite the error: {sorted(_wrapped(root))}"
 
 
 @pytest.mark.parametrize("name", ["wq_b", "wkv"])

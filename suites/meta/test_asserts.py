@@ -79,3 +79,24 @@ def test_repro_attaches_a_note_and_reraises():
         ah.assert_equal(3, 4, what="shards", context="rank 1")
     assert str(info.value) == "shards=3, expected 4 [rank 1]"
     assert info.value.__notes__ == ["repro: export_adapter(tp=2, seed=7)"]
+
+
+def test_ulp_tolerance_is_units_of_eps_at_the_reference_scale():
+    assert ah.ulp_tolerance(torch.float32, ulps=4, scale=2.0) == 4 * torch.finfo(torch.float32).eps * 2.0
+    with pytest.raises(ValueError):
+        ah.ulp_tolerance(torch.float32, ulps=0, scale=1.0)
+
+
+def test_assert_close_ulps_scales_with_expected_and_reports_units():
+    eps = torch.finfo(torch.float32).eps
+    expected = torch.tensor([100.0, -1.0], dtype=torch.float64)
+    tol = ah.assert_close_ulps(expected + 3 * eps * 100, expected, dtype=torch.float32, ulps=4, name="logits")
+    assert tol == 4 * eps * 100
+    with pytest.raises(AssertionError, match=r"logits: .*5\.0 units of eps\(torch\.float32\)\*scale, scale=100"):
+        ah.assert_close_ulps(expected + 5 * eps * 100, expected, dtype=torch.float32, ulps=4, name="logits")
+
+
+def test_assert_effect_exceeds_names_what_could_not_be_detected():
+    ah.assert_effect_exceeds(1.0, 1e-3, factor=10, what="adapter")
+    with pytest.raises(AssertionError, match=r"adapter: effect 5\.000e-03 is not above 10 x tolerance"):
+        ah.assert_effect_exceeds(5e-3, 1e-3, factor=10, what="adapter")
