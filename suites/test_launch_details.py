@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from fixtures.subproc import REPO_ROOT, run
+from fixtures.subproc import REPO_ROOT, pythonpath_first, run
 
 pytestmark = pytest.mark.cpu
 
@@ -144,7 +144,7 @@ def test_a_present_but_broken_transformer_engine_is_named_with_its_cause(impl, t
         else:
             print("NOT RAISED")
         """,
-        env={"PYTHONPATH": str(tmp_path)},
+        env=pythonpath_first(tmp_path),
     )
     assert "RAISED" in result.stdout, (
         f"a transformer_engine that fails to import was not reported:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"

@@ -208,22 +208,67 @@ def test_merged_export_into_a_quantized_format_is_refused_with_a_clear_error(imp
     assert str(dtype).removeprefix("torch.") in msg and "re-quantiz" in msg and "adapter" in msg, f"{variant}: {msg}"
 
 
+def _trap_every_base_export(impl, monkeypatch) -> list[str]:
+    """Replace every route by which code can export a base weight with a trap that records its name and raises:
+    the implementation's whole-model exports (where they are defined and where the package re-exports them),
+    Megatron-Bridge's model-level exports and the ``megatron_to_hf`` of every Megatron-Bridge parameter mapping
+    (each base tensor leaves through one). The list records calls even where the caller swallows the error."""
+    import sys
+
+    from megatron.bridge.models.conversion import auto_bridge, model_bridge, param_mapping
+
+    calls: list[str] = []
+
+    def trap(name):
+        def raise_(*_args, **_kwargs):
+            calls.append(name)
+            raise AssertionError(f"the adapter export path exported a base weight through {name}")
+
+        return raise_
+
+    mappings, seen = [param_mapping.MegatronParamMapping], set()
+    while mappings:
+        cls = mappings.pop()
+        if cls not in seen:
+            seen.add(cls)
+            mappings.extend(cls.__subclasses__())
+            if "megatron_to_hf" in vars(cls):
+                monkeypatch.setattr(cls, "megatron_to_hf", trap(f"{cls.__name__}.megatron_to_hf"))
+    for owner, names in (
+        (model_bridge.MegatronModelBridge, ("stream_weights_megatron_to_hf", "stream_weights_megatron_to_hf_quant")),
+        (model_bridge, ("stream_weights_megatron_to_hf", "stream_weights_megatron_to_hf_quant")),
+        (
+            auto_bridge.AutoBridge,
+            ("export_hf_weights", "export_hf_weights_quant", "save_hf_pretrained", "save_hf_weights"),
+        ),
+    ):
+        for name in names:
+            if hasattr(owner, name):  # older pins lack some of them
+                monkeypatch.setattr(owner, name, trap(f"{getattr(owner, '__name__', owner)}.{name}"))
+    for name in ("export_official_state", "export_merged_state"):
+        defined_in = sys.modules[getattr(impl, name).__module__]
+        for module in {defined_in, impl.module}:
+            monkeypatch.setattr(module, name, trap(f"{impl.name}.{name}"))
+    return calls
+
+
 def test_adapter_export_never_requests_a_base_export(impl, quantized, tmp_path, monkeypatch):
-    """The portable path is adapter-only: with every Megatron-Bridge base-weight export (``megatron_to_hf``) trapped,
-    gathering and exporting the adapter still succeed."""
-    from megatron.bridge.models.conversion import param_mapping
-
+    """The portable path is adapter-only: with every base-weight export trapped (``_trap_every_base_export``),
+    gathering and exporting the adapter still succeed, ask no trap for anything, and publish LoRA halves only."""
     variant, _, model, handle = _lora_on_quantized(impl, quantized)
-
-    def trap(*_args, **_kwargs):
-        raise AssertionError("the adapter export path exported a base weight")
-
-    for cls in vars(param_mapping).values():
-        if isinstance(cls, type) and issubclass(cls, param_mapping.MegatronParamMapping):
-            monkeypatch.setattr(cls, "megatron_to_hf", trap)
-    with pytest.raises(AssertionError, match="exported a base weight"):  # the trap is live
-        impl.export_official_state([model])
+    official_export = impl.export_official_state  # the untrapped function: proves the mapping traps are live
+    calls = _trap_every_base_export(impl, monkeypatch)
+    with pytest.raises(AssertionError, match="exported a base weight"):
+        official_export([model])
+    with pytest.raises(AssertionError, match="exported a base weight"):
+        impl.export_merged_state([model], handle)
+    assert any(c.endswith(".megatron_to_hf") for c in calls) and f"{impl.name}.export_merged_state" in calls, calls
+    calls.clear()
     adapter = impl.gather_adapter_state([model], handle)
     out = tmp_path / "adapter"
     impl.export_adapter(adapter, out, base_model_name_or_path=str(tmp_path))
+    assert not calls, f"{variant}: the adapter export asked for a base export (error swallowed or not): {calls}"
     assert (out / "adapter_model.safetensors").is_file() and (out / impl.COMPLETE_MARKER).is_file(), variant
+    published = load_file(str(out / "adapter_model.safetensors"))
+    not_lora = [n for n in published if not n.endswith((".lora_A.weight", ".lora_B.weight"))]
+    assert published and not not_lora, f"{variant}: the adapter file holds tensors that are no LoRA half: {not_lora}"

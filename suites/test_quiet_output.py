@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.subproc import run
+from fixtures.subproc import pythonpath_first, run
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
 
@@ -105,7 +105,7 @@ def test_a_line_a_library_leaves_open_does_not_swallow_a_step_line(cli, tmp_path
     site.mkdir()
     (site / "sitecustomize.py").write_text(OPEN_LINE_SITECUSTOMIZE)
     out = tmp_path / "q"
-    result = cli("qualify", "--out", out, timeout=900, env={"PYTHONPATH": str(site)})
+    result = cli("qualify", "--out", out, timeout=900, env=pythonpath_first(site))
     assert result.returncode == 0, "\n".join(result.terminal[-80:])
     log_lines = (out / LOG_NAME).read_text(errors="replace").split("\n")
     steps = [line for line in result.stdout.splitlines() if STEP_LINE.match(line)]
