@@ -1,0 +1,45 @@
+"""Rows of the adapter check table that a hand-edited adapter trips: pickle weights of either common suffix beside
+the safetensors file, and the per-module ``rank_pattern`` / ``alpha_pattern`` fields V4 adapters never carry, are
+each refused naming the file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fixtures.adapter_states import attention_shapes, make_native_adapter
+
+pytestmark = pytest.mark.cpu
+
+R = 4
+SHAPES = attention_shapes(hidden=64, q_lora=48, heads=4, head_dim=32, o_groups=2, o_lora=16)
+
+
+@pytest.fixture
+def adapter(impl, tmp_path):
+    out = tmp_path / "adapter"
+    impl.export_adapter(impl.AdapterState(make_native_adapter(SHAPES, 2, R), r=R, alpha=8.0), out)
+    impl.validate_adapter_dir(out)  # the export itself passes: what follows is the edit's doing
+    return out
+
+
+@pytest.mark.parametrize("pickle_name", ["adapter_model.bin", "adapter_model.pt"])
+def test_pickle_weights_beside_an_adapter_are_refused(impl, adapter, pickle_name):
+    (adapter / pickle_name).write_bytes(b"\x80\x04N.")  # a pickle of None: loading it would run the unpickler
+    with pytest.raises(impl.AdapterValidationError, match=pickle_name.replace(".", r"\.")):
+        impl.validate_adapter_dir(adapter, require_complete=False)
+
+
+@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
+def test_a_per_module_rank_or_alpha_pattern_is_refused(impl, adapter, field):
+    """PEFT applies a pattern's value instead of ``r`` / ``lora_alpha`` to the modules it names, so the scale a
+    consumer uses would no longer be the one the adapter was trained with."""
+    config_file = adapter / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    module = "model.layers.0.self_attn.q_a_proj"
+    config[field] = {module: 2 * (R if field == "rank_pattern" else config["lora_alpha"])}
+    config_file.write_text(json.dumps(config))
+    (adapter / impl.COMPLETE_MARKER).unlink()  # the edit makes the marker stale; the field is what is judged
+    with pytest.raises(impl.AdapterValidationError, match=field):
+        impl.validate_adapter_dir(adapter, require_complete=False)
