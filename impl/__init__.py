@@ -40,6 +40,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "impl.conversion.detect": (
         "V4_ARCHITECTURE",
+        "is_deepseek_v41_config",
         "is_deepseek_v4_config",
         "require_deepseek_v4_config",
     ),
@@ -64,6 +65,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "ConfigFileError",
         "ConsumerSupportError",
         "CorruptCheckpointError",
+        "DeepseekV41UnsupportedError",
         "Dsv4Error",
         "ExportError",
         "GroupedLoRAError",

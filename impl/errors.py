@@ -6,6 +6,7 @@ from __future__ import annotations
 __all__ = [
     "Dsv4Error",
     "NotDeepseekV4Error",
+    "DeepseekV41UnsupportedError",
     "UnsupportedConfigError",
     "MultiLoRAUnsupportedError",
     "CorruptCheckpointError",
@@ -30,6 +31,10 @@ class Dsv4Error(Exception):
 
 class NotDeepseekV4Error(Dsv4Error, ValueError):
     """A config was routed to the V4 path but is not exactly ``DeepseekV4ForCausalLM``."""
+
+
+class DeepseekV41UnsupportedError(NotDeepseekV4Error):
+    """The config is DeepSeek-V4.1: another architecture under similar names, not supported yet."""
 
 
 class UnsupportedConfigError(Dsv4Error, ValueError):

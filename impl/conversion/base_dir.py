@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from impl.conversion.detect import V4_ARCHITECTURE, is_deepseek_v4_config
+from impl.conversion.detect import V4_ARCHITECTURE, is_deepseek_v4_config, is_deepseek_v41_config, v41_problem
 from impl.errors import (
     ConfigFileError,
     CorruptCheckpointError,
+    DeepseekV41UnsupportedError,
     Dsv4Error,
     InputFileError,
     NotDeepseekV4Error,
@@ -115,6 +116,9 @@ def _config(base: BaseDir) -> Iterator[Problem]:
         yield Problem(type(exc), str(exc))
         return
     base.config = config
+    if is_deepseek_v41_config(config):
+        yield Problem(DeepseekV41UnsupportedError, f"{file}: {v41_problem(config)}")
+        return
     if not is_deepseek_v4_config(config):
         yield Problem(NotDeepseekV4Error, architectures_problem(file, config))
         return
