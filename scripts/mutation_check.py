@@ -14,6 +14,7 @@ did not test the copy, collected nothing, crashed or timed out. Exit status 0 on
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from fixtures.impl_copy import MutationError, copy_implementation  # noqa: E402
 from fixtures.mutations import CATALOGUE, Seeded, change_problem  # noqa: E402
 from fixtures.subproc import pytest_outcomes, run  # noqa: E402
+from fixtures.warm_pytest import COLD_ENV, warm_pytest  # noqa: E402
 
 COPY_NAME = "impl_mutant"  # the control copy has the same name, so the mutation is the only difference
 KILLED, SURVIVED, ERROR = "KILLED", "SURVIVED", "ERROR"
@@ -43,13 +45,20 @@ class Outcome:
 
 
 def _pytest(copy_dir: Path, targets: list[str], k: str | None, *, stop_first: bool, timeout: float):
-    """Run pytest on ``targets`` against the copy in ``copy_dir``; (exit code, node id -> outcome, output, seconds)."""
-    argv = [sys.executable, "-m", "pytest", "-m", "cpu", "-n", "0", "-p", "no:randomly", "-rfE"]
-    argv += ["--impl", COPY_NAME, *(["-x"] if stop_first else []), *(["-k", k] if k else []), *targets]
+    """Run pytest on ``targets`` against the copy in ``copy_dir``; (exit code, node id -> outcome, output, seconds).
+    Forked from the warm server (fixtures/warm_pytest.py) unless DSV4_COLD_MUTANTS=1."""
+    args = ["-m", "cpu", "-n", "0", "-p", "no:randomly", "-rfE"]
+    args += ["--impl", COPY_NAME, *(["-x"] if stop_first else []), *(["-k", k] if k else []), *targets]
     env = {"PYTHONPATH": str(copy_dir), "DSV4_IMPL": COPY_NAME}
     start = time.monotonic()
+    if os.environ.get(COLD_ENV) != "1":
+        full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join((str(REPO_ROOT), str(copy_dir)))}
+        rc, out = warm_pytest(args, cwd=REPO_ROOT, env=full_env, timeout=timeout)
+        if rc is None:
+            return None, {}, f"timed out after {timeout:g}s:\n{out[-4000:]}", time.monotonic() - start
+        return rc, pytest_outcomes(out), out, time.monotonic() - start
     try:
-        result = run(argv, timeout=timeout, cwd=REPO_ROOT, env=env)
+        result = run([sys.executable, "-m", "pytest", *args], timeout=timeout, cwd=REPO_ROOT, env=env)
     except AssertionError as exc:  # fixtures.subproc.run: timed out, process group killed
         return None, {}, str(exc), time.monotonic() - start
     out = result.stdout + result.stderr
