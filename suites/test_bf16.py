@@ -5,13 +5,14 @@ adapters are bf16; the tensors the checkpoint keeps in fp32 (``attn_sink``, ``ap
 reduces into fp32 ``main_grad``; ``impl.AdapterOptimizer`` steps fp32 masters and writes them back (Megatron's
 ``Float16OptimizerWithFloat16Params`` scheme).
 
-Tolerances against the fp32 transformers oracle (tiny-mixed, 2 x 48 tokens), stated relative to what
-transformers itself gets in bf16 on the same checkpoint (routing and indexer top-k flip under bf16 rounding, so
-a few tokens move far in either implementation; measured: native mean|Δ| 0.056, transformers-bf16 0.045):
+Tolerances against the fp32 transformers oracle (tiny-mixed, 2 x 48 tokens), in units of eps(bfloat16) *
+max|oracle logits| and relative to what transformers itself gets in bf16 on the same checkpoint, measured in the
+same run (routing and indexer top-k flip under bf16 rounding, so a few tokens move far in either implementation;
+measured: native mean|Δ| 1.5 units, transformers-bf16 1.2; median per-token max|Δ| 3.1 and 2.9 units):
 
-* mean |logit error| <= ``MEAN_ABS_TOL`` and <= ``RATIO_TOL`` x transformers-bf16's mean |logit error|;
-* median over tokens of the max |logit error| <= ``MEDIAN_TOKEN_TOL``;
-* each of 3 training losses within ``LOSS_RTOL`` of the fp32 run's (measured <= 2.0%).
+* mean |logit error| <= ``MEAN_ABS_ULPS`` units and <= ``RATIO_TOL`` x transformers-bf16's mean |logit error|;
+* median over tokens of the max |logit error| <= ``RATIO_TOL`` x transformers-bf16's same figure;
+* each of 3 training losses within ``LOSS_ULPS`` units of eps(bfloat16) * the fp32 run's loss (measured <= 2.6).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+import fixtures.asserts as ah
 from fixtures.multirank import impl_preload, run_ranks
 from tiny_models.checkpoint import load_oracle, write_checkpoint
 from tiny_models.presets import get_preset, min_seq_len
@@ -30,11 +32,22 @@ pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
 PRESET = "tiny-mixed"
 TARGETS = ["wq_a", "wq_b", "wkv", "wo_a", "wo_b"]
-MEAN_ABS_TOL = 0.1
-RATIO_TOL = 2.0
-MEDIAN_TOKEN_TOL = 0.25
 QUALIFY_BF16_ULPS = 4  # qualify's bf16 tolerance: 4 * eps(bf16) * max|reference logits| (README, qualify section)
-LOSS_RTOL = 0.05  # measured 0.2% / 2.0% / 0.5% at steps 0-2 (lr 1e-2 moves a tiny model far per step)
+#: units of eps(bfloat16) * max|oracle logits| for the mean |logit error|: the figure qualify holds its bf16
+#: base_logits check to (the same mean |Δ| against the same fp32 oracle); the ratio below is the sharper bound
+MEAN_ABS_ULPS = QUALIFY_BF16_ULPS
+#: native bf16 against transformers' own bf16 error on the same checkpoint (both round the same weights and flip
+#: the same kind of routing choices, at different points of the graph): at most twice as far
+RATIO_TOL = 2.0
+#: units of eps(bfloat16) * |fp32 loss| per training step: one bf16 forward moves each token's loss by at most
+#: 2 max|Δ logit| (a few units, the per-token figure), and each step's bf16 adapters round the update once more
+#: (lr 1e-2 moves a tiny model far per step); 8 leaves room
+LOSS_ULPS = 8
+#: units of eps(float32) * max|oracle logits| for the fp32 reference run (test_native_oracle_property's analysis)
+FP32_LOGIT_ULPS = 128
+#: units of eps(float64) * the figure for a tolerance qualify reports against the same formula recomputed here
+#: from its reported scale: the same float64 products (ulps * eps * scale), a rounding or two if associated apart
+REPORTED_ULPS = 4
 FP32_FAMILIES = ("attn_sink", "compressor.ape", "hc_", "expert_bias")
 
 
@@ -134,21 +147,38 @@ def test_bf16_adapters_train_through_fp32_gradients_and_fp32_masters(runs):
 
 def test_bf16_logits_agree_with_the_fp32_oracle_within_the_stated_tolerances(runs):
     payload, oracle, oracle_bf16 = runs
-    fp32_diff = np.abs(payload["fp32"]["base_logits"] - oracle).max()
-    assert fp32_diff <= 1e-5, f"fp32 native vs fp32 oracle max|Δ| {fp32_diff:.2e}: the reference run itself is off"
+    ah.assert_close_ulps(
+        payload["fp32"]["base_logits"],
+        oracle,
+        dtype=torch.float32,
+        ulps=FP32_LOGIT_ULPS,
+        name="fp32 native vs fp32 oracle logits (the reference run itself)",
+    )
     err = np.abs(payload["bf16"]["base_logits"] - oracle)
-    reference = np.abs(oracle_bf16 - oracle).mean()
+    ref_err = np.abs(oracle_bf16 - oracle)
+    reference, ref_median_token = ref_err.mean(), float(np.median(ref_err.max(-1)))
     mean, median_token = err.mean(), float(np.median(err.max(-1)))
-    assert mean <= MEAN_ABS_TOL, f"bf16 mean|Δ| {mean:.4f} > {MEAN_ABS_TOL}"
+    ah.assert_within_ulps(
+        float(mean), dtype=torch.bfloat16, ulps=MEAN_ABS_ULPS, scale=ah.max_abs(oracle), what="bf16 mean|Δ|"
+    )
     assert mean <= RATIO_TOL * reference, f"bf16 mean|Δ| {mean:.4f} > {RATIO_TOL} x transformers-bf16 {reference:.4f}"
-    assert median_token <= MEDIAN_TOKEN_TOL, f"median per-token max|Δ| {median_token:.4f} > {MEDIAN_TOKEN_TOL}"
+    assert median_token <= RATIO_TOL * ref_median_token, (
+        f"median per-token max|Δ| {median_token:.4f} > {RATIO_TOL} x transformers-bf16's {ref_median_token:.4f}"
+    )
 
 
 def test_bf16_training_losses_track_the_fp32_run(runs):
     payload, _, _ = runs
     fp32, bf16 = payload["fp32"]["losses"], payload["bf16"]["losses"]
     for step, (a, b) in enumerate(zip(fp32, bf16, strict=True)):
-        assert abs(b - a) <= LOSS_RTOL * abs(a), f"step {step}: bf16 loss {b:.4f} vs fp32 {a:.4f} (rtol {LOSS_RTOL})"
+        ah.assert_within_ulps(
+            abs(b - a),
+            dtype=torch.bfloat16,
+            ulps=LOSS_ULPS,
+            scale=abs(a),
+            what=f"bf16 loss {b:.4f} vs fp32 {a:.4f}",
+            context=f"step {step}",
+        )
     assert bf16[-1] < bf16[0], f"bf16 training did not lower the loss: {bf16}"
 
 
@@ -169,14 +199,17 @@ def test_qualify_in_bf16_reloads_in_float32_where_one_lost_target_would_show(imp
     checks = {c["name"]: c for c in json.loads((out / "qualify.json").read_text())["checks"]}
     base = checks["base_logits"]
     assert base["passed"] is True and "mean|Δ|" in base["figure"], base
-    assert base["detail"]["observed"] <= MEAN_ABS_TOL, f"base_logits: mean|Δ| {base['detail']['observed']:.3f}"
+    mean_tol = ah.ulp_tolerance(torch.bfloat16, ulps=MEAN_ABS_ULPS, scale=base["detail"]["logit_scale"])
+    assert base["detail"]["observed"] <= mean_tol, f"base_logits: mean|Δ| {base['detail']['observed']:.3f}"
     want_tol = QUALIFY_BF16_ULPS * torch.finfo(torch.bfloat16).eps * base["detail"]["logit_scale"]
-    assert abs(base["detail"]["tolerance"] - want_tol) <= 1e-6 * want_tol, f"base_logits: {base}, want {want_tol}"
+    reported = ah.ulp_tolerance(torch.float64, ulps=REPORTED_ULPS, scale=want_tol)
+    assert abs(base["detail"]["tolerance"] - want_tol) <= reported, f"base_logits: {base}, want {want_tol}"
     reload = checks["reload"]
     detail = reload["detail"]
     assert reload["passed"] is True and detail["trained_dtype"] == "bfloat16", reload
     want_tol = 256 * torch.finfo(torch.float32).eps * detail["logit_scale"]
-    assert abs(detail["tolerance"] - want_tol) <= 1e-6 * want_tol, f"reload: tolerance {detail}, want {want_tol}"
+    reported = ah.ulp_tolerance(torch.float64, ulps=REPORTED_ULPS, scale=want_tol)
+    assert abs(detail["tolerance"] - want_tol) <= reported, f"reload: tolerance {detail}, want {want_tol}"
     assert set(detail["effect_by_target"]) == set(TARGETS), detail["effect_by_target"]
     assert len(detail["effect_by_layer"]) == get_preset(PRESET).num_hidden_layers, detail["effect_by_layer"]
     weakest = min([*detail["effect_by_target"].values(), *detail["effect_by_layer"].values()])

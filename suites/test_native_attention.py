@@ -19,7 +19,20 @@ from fixtures.native_weights import ensure_single_rank_megatron
 
 pytestmark = pytest.mark.cpu
 
-ATOL = 1e-5  # fp32 agreement with the oracle (measured: forward bit-exact, gradients <= 4e-6 abs)
+#: units of eps(float32) * max|oracle output| for one attention forward: a few roundings per reduction on each side
+#: (projections, norms, softmax, compressor pooling); 8 leaves room
+OUT_ULPS = 8
+#: units of eps(float32) * the layer's largest oracle gradient, for every parameter: a backward rounds relative to
+#: the flows it sums, not to one small result; a unit or two per reduction, 8 leaves room
+GRAD_ULPS = 8
+#: units of eps(float32) at |x| = 1 for one interleaved rotation (cos, sin, two products and a sum per channel);
+#: rope then inverse rope is two of them, 8 leaves room
+ROPE_ULPS = 8
+#: units of eps(float32) * max|reference| for one 5-term dot product per output on each side: 4 leaves room
+DOT_ULPS = 4
+#: the effects relied on (a rope pair's rotation, another wo_a group's contribution) must exceed the tolerance
+#: this many times, or the comparison could not tell them from rounding
+EFFECT_FACTOR = 10
 SEQ = 40  # CSA(4): 10 entries > index_topk 3, so the indexer really chooses; HCA(8): 5 entries
 BATCH = 2
 LAYERS = {"sliding": 0, "csa": 1, "hca": 2}
@@ -170,7 +183,14 @@ def test_output_matches_transformers_attention(impl, megatron_world, kind, with_
         expected = _oracle_forward(ref, hf, x, positions, with_cache=with_cache)
         got = native(x, positions)
     assert got.shape == expected.shape == x.shape
-    ah.assert_close(got, expected, atol=ATOL, name="attention output vs transformers", context=f"{kind} layer {layer}")
+    ah.assert_close_ulps(
+        got,
+        expected,
+        dtype=torch.float32,
+        ulps=OUT_ULPS,
+        name="attention output vs transformers",
+        context=f"{kind} layer {layer}",
+    )
 
 
 def test_one_dimensional_position_ids_broadcast_over_the_batch(impl, megatron_world):
@@ -181,7 +201,9 @@ def test_one_dimensional_position_ids_broadcast_over_the_batch(impl, megatron_wo
     with torch.no_grad():
         expected = _oracle_forward(ref, hf, x, positions, with_cache=False)
         got = native(x, positions[0])
-    ah.assert_close(got, expected, atol=ATOL, name="attention output", context="position_ids of shape [S]")
+    ah.assert_close_ulps(
+        got, expected, dtype=torch.float32, ulps=OUT_ULPS, name="attention output", context="position_ids of shape [S]"
+    )
 
 
 def test_indexer_keeps_only_top_k_of_the_visible_compressed_entries(impl, megatron_world):
@@ -224,9 +246,13 @@ def test_rope_rotates_exactly_the_last_rope_head_dim_channels(impl, rope_dim):
     nope = hf.head_dim - rope_dim
     assert torch.equal(y[..., :nope], x[..., :nope]), "rope touched a leading (nope) channel"
     moved = (y[..., nope:] - x[..., nope:]).abs().view(-1, 2).amax(-1)
-    assert bool((moved > 1e-4).all()), f"rope pairs left unrotated: {(moved <= 1e-4).nonzero().flatten().tolist()}"
+    tolerance = ah.ulp_tolerance(torch.float32, ulps=ROPE_ULPS, scale=1.0)  # |x| = 1
+    least = int(moved.argmin())
+    ah.assert_effect_exceeds(
+        float(moved[least]), tolerance, factor=EFFECT_FACTOR, what=f"rope pair {least}'s rotation (else unrotated)"
+    )
     back = impl.apply_interleaved_rope(y, angles.cos(), angles.sin(), inverse=True)
-    assert torch.allclose(back, x, atol=1e-6), "inverse rope does not undo rope"
+    ah.assert_close_ulps(back, x, dtype=torch.float32, ulps=ROPE_ULPS, name="inverse rope of rope", scale=1.0)
 
 
 @pytest.mark.parametrize("rope_dim", [4, 16], ids=["rope4of16", "full-head-rope"])
@@ -238,8 +264,13 @@ def test_output_matches_transformers_for_other_rope_widths(impl, megatron_world,
         x, positions = _inputs(hf, seed=layer)
         with torch.no_grad():
             got, expected = native(x, positions), _oracle_forward(ref, hf, x, positions, with_cache=False)
-        ah.assert_close(
-            got, expected, atol=ATOL, name="attention output", context=f"rope {rope_dim}, {kind} layer {layer}"
+        ah.assert_close_ulps(
+            got,
+            expected,
+            dtype=torch.float32,
+            ulps=OUT_ULPS,
+            name="attention output",
+            context=f"rope {rope_dim}, {kind} layer {layer}",
         )
 
 
@@ -255,6 +286,7 @@ def test_gradients_are_finite_and_match_transformers(impl, megatron_world, kind)
     (_oracle_forward(ref, hf, x, positions, with_cache=False) * weight).sum().backward()
     (native(x, positions) * weight).sum().backward()
     oracle = dict(ref.named_parameters())
+    flows = max(ah.max_abs(p.grad) for p in oracle.values() if p.grad is not None)  # the largest oracle gradient
     for name, param in native.named_parameters():
         expected = oracle[HF_NAME[name]].grad
         if name.startswith("indexer."):
@@ -263,8 +295,9 @@ def test_gradients_are_finite_and_match_transformers(impl, megatron_world, kind)
         assert param.grad is not None, f"{kind}: {name} has no gradient"
         assert bool(torch.isfinite(param.grad).all()), f"{kind}: {name} has a non-finite gradient"
         assert float(param.grad.abs().max()) > 0, f"{kind}: {name} has an all-zero gradient"
-        scale = max(1.0, float(expected.abs().max()))  # the tolerance is relative to the gradient's size
-        ah.assert_close(param.grad, expected, atol=ATOL * scale, name=f"grad {name}", context=kind)
+        ah.assert_close_ulps(
+            param.grad, expected, dtype=torch.float32, ulps=GRAD_ULPS, scale=flows, name=f"grad {name}", context=kind
+        )
 
 
 def test_grouped_wo_a_is_block_diagonal(impl):
@@ -276,7 +309,12 @@ def test_grouped_wo_a_is_block_diagonal(impl):
     w = module.weight.view(groups, rank_out, per_group)
     for g in range(groups):
         expected = x[:, :, g] @ w[g].T
-        assert torch.allclose(got[:, :, g], expected, atol=1e-6), f"wo_a group {g} mixes other groups"
+        # what mixing would add is another group's product, which must stand above the rounding
+        tolerance = ah.assert_close_ulps(
+            got[:, :, g], expected, dtype=torch.float32, ulps=DOT_ULPS, name=f"wo_a group {g} (mixes other groups?)"
+        )
+        other = min(ah.max_abs(x[:, :, h] @ w[g].T) for h in range(groups) if h != g)
+        ah.assert_effect_exceeds(other, tolerance, factor=EFFECT_FACTOR, what=f"another group mixed into group {g}")
 
 
 def test_grouped_wo_a_rejects_a_weight_of_the_wrong_group_layout(impl):
@@ -334,16 +372,16 @@ def _rank_attention_tp(rank: int, world_size: int, case: TPCase) -> dict[str, An
         weight = torch.randn(BATCH, SEQ, hf.hidden_size, generator=torch.Generator().manual_seed(7))
         expected = _oracle_forward(ref, hf, x, positions, with_cache=False)
         got = native(x, positions)
-        errors[f"layer{layer}.out"] = (got - expected).abs().max().item()
+        errors[f"layer{layer}.out"] = (ah.max_abs(got - expected), ah.max_abs(expected))  # (max|Δ|, scale)
         (expected * weight).sum().backward()
         (got * weight).sum().backward()
         oracle = dict(ref.named_parameters())
+        flows = max(ah.max_abs(p.grad) for p in oracle.values() if p.grad is not None)
         for name, param in native.named_parameters():
             if name.startswith("indexer."):
                 continue
             full = _shard(oracle[HF_NAME[name]].grad, param, rank, world_size)
-            err = (param.grad - full).abs().max().item()
-            errors[f"layer{layer}.grad.{name}"] = err / max(1.0, float(full.abs().max()))  # relative to the scale
+            errors[f"layer{layer}.grad.{name}"] = (ah.max_abs(param.grad - full), flows)
     try:
         impl.DeepseekV4Attention(impl.V4Config.from_hf(_hf_config(num_attention_heads=6, o_groups=3)), 0)
         errors["rejects_o_groups_3_at_tp2"] = False
@@ -359,5 +397,12 @@ def test_tensor_parallel_attention_matches_transformers_on_every_rank(impl):
     for r in results:
         payload = dict(r.payload)
         assert payload.pop("rejects_o_groups_3_at_tp2") is True, f"rank {r.rank}: o_groups=3 at TP=2 not rejected"
-        bad = {k: v for k, v in payload.items() if not v <= ATOL}
-        assert not bad, f"rank {r.rank}: TP=2 deviations above {ATOL}: {bad}"
+        for key, (diff, scale) in payload.items():
+            ah.assert_within_ulps(
+                diff,
+                dtype=torch.float32,
+                ulps=GRAD_ULPS if ".grad." in key else OUT_ULPS,
+                scale=scale,
+                what=f"TP=2 {key} vs transformers",
+                context=f"rank {r.rank}",
+            )

@@ -100,3 +100,14 @@ def test_assert_effect_exceeds_names_what_could_not_be_detected():
     ah.assert_effect_exceeds(1.0, 1e-3, factor=10, what="adapter")
     with pytest.raises(AssertionError, match=r"adapter: effect 5\.000e-03 is not above 10 x tolerance"):
         ah.assert_effect_exceeds(5e-3, 1e-3, factor=10, what="adapter")
+
+
+def test_assert_within_ulps_holds_a_measured_difference_to_units_of_eps_at_the_scale():
+    eps = torch.finfo(torch.float32).eps
+    assert ah.assert_within_ulps(3 * eps * 2.0, dtype=torch.float32, ulps=4, scale=2.0, what="loss") == 4 * eps * 2.0
+    with pytest.raises(
+        AssertionError, match=r"^loss: .* is 5\.0 units of eps\(torch\.float32\)\*scale, scale=2, .* \[rank 1\]$"
+    ):
+        ah.assert_within_ulps(5 * eps * 2.0, dtype=torch.float32, ulps=4, scale=2.0, what="loss", context="rank 1")
+    with pytest.raises(AssertionError, match="nan"):
+        ah.assert_within_ulps(float("nan"), dtype=torch.float32, ulps=4, scale=2.0, what="loss")
