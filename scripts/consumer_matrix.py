@@ -43,11 +43,11 @@ def main() -> int:
     with contextlib.redirect_stdout(sys.stderr), tempfile.TemporaryDirectory(prefix="consumer-matrix-") as tmp:
         api = load_impl(resolve_impl_name(args.impl))
         try:
-            all_cells, cases, notes, reports = probe_all(api, Path(tmp))
+            all_cells, cases, notes, reports, numeric = probe_all(api, Path(tmp))
         except ConsumerEnvMissing as exc:
             print(f"consumer_matrix: {exc}", file=sys.stderr)
             return 2
-    table = render_matrix(all_cells, cases, notes)
+    table = render_matrix(all_cells, cases, notes, numeric)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1, sort_keys=True))
     readme_path = ROOT / "README.md"

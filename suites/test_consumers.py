@@ -58,6 +58,16 @@ def probed(exported) -> dict[str, tuple[dict, list[Cell], list[str]]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def numeric(impl, probed, tmp_path_factory) -> dict | None:
+    """The matrix's numeric column (fixtures/consumers/numerics.py); None without the vLLM environment."""
+    if "vllm" not in probed:
+        return None
+    from fixtures.consumers.numerics import matrix_column, measured_once
+
+    return matrix_column(impl, measured_once(impl, tmp_path_factory))
+
+
 def _absent(what: str) -> None:
     """Skip where a consumer environment is not installed; CI (DSV4_REQUIRE_CONSUMERS=1) fails instead."""
     message = f"{what}: run scripts/install_consumers.sh"
@@ -144,7 +154,7 @@ def test_vllm_skips_the_mtp_layer_and_refuses_transformers_names(impl, probed):
         assert rule is not None and str(rule.status) == cell.status, f"{target}: impl believes {rule}, engine {cell}"
 
 
-def test_the_readme_matrix_is_the_generated_one(probed, exported):
+def test_the_readme_matrix_is_the_generated_one(probed, exported, numeric):
     if set(probed) != set(PROBES):
         _absent(f"the README matrix needs every consumer environment (installed: {sorted(probed)})")
     cases, _ = exported
@@ -152,7 +162,7 @@ def test_the_readme_matrix_is_the_generated_one(probed, exported):
     notes = [n for name in sorted(PROBES) for n in probed[name][2]]
     section = readme_section((ROOT / "README.md").read_text())
     assert section is not None, "README.md lost its consumer-matrix markers"
-    assert section == render_matrix(found, cases, notes), (
+    assert section == render_matrix(found, cases, notes, numeric), (
         "README.md's consumer matrix differs from what the engines say now: run "
         "'.venv/bin/python scripts/consumer_matrix.py --write'"
     )
@@ -179,7 +189,7 @@ def test_the_probes_import_nothing_from_this_project():
     """The probes judge our adapters with the engines' code only: no impl, fixtures or tiny_models inside."""
     ours = {"impl", "fixtures", "tiny_models", "suites"}
     for path in sorted(HERE.glob("*.py")):
-        if path.name == "__init__.py":  # the runner, in the main environment
+        if path.name in ("__init__.py", "numerics.py"):  # the runners, in the main environment
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
