@@ -22,6 +22,7 @@ __all__ = [
     "OutputPathError",
     "UsageError",
     "ConsumerSupportError",
+    "PickleAdapterError",
 ]
 
 
@@ -101,3 +102,8 @@ class UsageError(Dsv4Error, ValueError):
 class ConsumerSupportError(ExportError):
     """A serving engine (consumer, version) would not apply, would skip or would misroute a target of the adapter
     (each named with the engine's reason), or impl holds no rules for that consumer or version."""
+
+
+class PickleAdapterError(InputFileError):
+    """A pickled adapter (``adapter_model.bin`` / ``*.pt``) cannot be converted: missing, refused by
+    ``torch.load(weights_only=True)``, or not a flat dict of tensors (file and what it holds named)."""

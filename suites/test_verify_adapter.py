@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from fixtures.adapter_states import attention_shapes, make_native_adapter
-from fixtures.adapter_tamper import TAMPER
+from fixtures.adapter_tamper import TAMPER, UNCERTIFY
 from tiny_models.checkpoint import write_checkpoint
 from tiny_models.presets import get_preset
 
@@ -54,3 +54,24 @@ def test_each_spoilt_adapter_or_base_is_reported_by_name(impl, exported, tmp_pat
     problems = "\n".join(result.problems)
     assert not result.ok, f"{case}: verify_adapter passed a spoilt adapter"
     assert expected in problems, f"{case}: the problem list does not name {expected!r}:\n{problems}"
+
+
+@pytest.mark.parametrize("case", sorted(UNCERTIFY))
+def test_a_sound_adapter_without_provenance_is_uncertified_not_wrong(impl, exported, tmp_path, case):
+    """Without ``.complete`` an adapter cannot prove its completeness: it passes as uncertified, and fails only when
+    certification is required, naming what is missing."""
+    edit, expected = UNCERTIFY[case]
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    shutil.copytree(exported[0], base)
+    shutil.copytree(exported[1], adapter)
+    edit(adapter, base)
+    result = impl.verify_adapter(base, adapter)
+    assert result.ok, f"{case}: an otherwise sound adapter failed: {result.problems}"
+    assert result.uncertified and expected in result.uncertified, f"{case}: provenance says {result.uncertified!r}"
+    strict = impl.verify_adapter(base, adapter, require_certified=True)
+    assert not strict.ok and any(expected in p for p in strict.problems), strict.problems
+
+
+def test_an_exported_adapter_is_certified(impl, exported):
+    result = impl.verify_adapter(*exported, require_certified=True)
+    assert result.ok and result.uncertified is None, (result.problems, result.checks[-1])

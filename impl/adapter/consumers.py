@@ -297,3 +297,38 @@ def require_applied(verdict: ConsumerVerdict) -> None:
         "allow_unapplied=True (--allow-unapplied) to export anyway with them recorded in the adapter's "
         "safetensors metadata (dsv4_consumer)"
     )
+
+
+# ------------------------------------------------------------------------- adapters on other modules than the five
+
+#: PEFT wraps whatever ``nn.Linear`` its ``target_modules`` selects and the forward calls it, so a LoRA on any
+#: linear module of transformers' model is applied (``suites/test_producer_peft.py`` runs it). Kept apart from
+#: :data:`CONSUMER_RULES`, whose every row the engines' own code is probed for.
+OFF_TARGET_PEFT = (
+    "peft/tuners/lora/model.py:LoraModel._create_and_replace wraps the nn.Linear target_modules selects; "
+    "the forward calls it"
+)
+#: what a LoRA on a module of each kind changes (the hazard the consequence line names)
+OFF_TARGET_HAZARD = {
+    "indexer": "the indexer chooses which compressed tokens the sparse attention reads (the wq_b hazard: a bare "
+    "q_b_proj/kv_proj suffix also wraps the indexer's)",
+    "compressor": "the compressor builds the compressed KV every compressed layer reads (a bare kv_proj suffix "
+    "also wraps compressor.kv_proj)",
+}
+
+
+def off_target_consequence(kind: str, dialect: str) -> str:
+    """What each consumer family does with an adapter holding a LoRA on a module of ``kind`` (anything but the
+    five main-attention targets), from the rules above: one clause per family."""
+    clauses = []
+    for family, choice in CONSUMER_CHOICES.items():
+        engine = choice.engines[0]
+        versions = sorted({r.version for r in CONSUMER_RULES if r.consumer == engine})
+        whole = consumer_rule(engine, versions[-1], dialect, WHOLE_ADAPTER) if versions else None
+        if whole is not None and whole.status is not ConsumerStatus.LOADED:
+            clauses.append(f"{engine} {whole.version} rejects the whole {dialect}-dialect adapter")
+        elif family == "peft" and dialect == "transformers":
+            clauses.append(f"PEFT {whole.version} applies it ({OFF_TARGET_PEFT})")
+        else:
+            clauses.append(f"{engine}: no rule for a {kind} LoRA, nothing vouches it is applied")
+    return "; ".join(clauses)

@@ -105,6 +105,36 @@ def recover_export_dir(out_dir: str | os.PathLike) -> str:
     return "; ".join(actions) or "nothing to recover"
 
 
+def publish_files(out_dir: str | os.PathLike, files: Mapping[str, bytes], dialect: str) -> Path:
+    """Publish ``files`` (name -> bytes) as the directory ``out_dir`` by the protocol above, for a writer that is
+    not the collective export (``dsv4-lora convert-adapter``): crash leftovers rolled back, staging written and
+    fsynced, old destination set aside, staging renamed in, marker, commit. On any failure before the commit the
+    destination is restored exactly."""
+    out = Path(os.path.abspath(out_dir))
+    recover_export_dir(out)
+    staging, old, trash = sidecars(out)
+    try:
+        staging.mkdir(parents=True)
+        for name, data in files.items():
+            with open(staging / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        fsync_path(staging)
+        set_aside(out)
+        os.replace(staging, out)
+        fsync_path(out.parent)
+        write_marker(out, dialect, {name: hashlib.sha256(data).hexdigest() for name, data in files.items()})
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(old, trash)  # the commit point
+    except BaseException:
+        recover_export_dir(out)
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
+    fsync_path(out.parent)
+    return out
+
+
 __all__ = [
     "ADAPTER_FILE",
     "COMPLETE_MARKER",
@@ -112,6 +142,7 @@ __all__ = [
     "config_text",
     "file_sha256",
     "fsync_path",
+    "publish_files",
     "recover_export_dir",
     "sidecars",
     "write_marker",

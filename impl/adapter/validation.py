@@ -7,15 +7,16 @@ them all (``dsv4-lora verify-adapter``).
 
 | check | problem when |
 |---|---|
-| ``files`` | ``adapter_config.json`` / ``adapter_model.safetensors`` missing or unreadable, or pickle weights present |
+| ``files`` | ``adapter_config.json`` / ``adapter_model.safetensors`` missing or unreadable, or pickle weights present (never unpickled here: ``dsv4-lora convert-adapter``) |
 | ``marker`` | ``.complete`` missing (when required), or it certifies other bytes than the files present (stale) |
-| ``config`` | not LoRA, ``r`` / ``lora_alpha`` invalid, or fields V4 adapters never carry |
-| ``names`` | a tensor is not a PEFT LoRA tensor, the dialect is unknown, or (with a base) a module resolves to no base weight or wraps something other than the main attention projections |
+| ``config`` | not LoRA, ``r`` / ``lora_alpha`` invalid, DoRA, or fields V4 adapters never carry |
+| ``names`` | tensors that are no PEFT LoRA tensors (one line per cause, counted), the dialect is unknown or mixed, or (with a base) modules that resolve to no base weight or are not main-attention targets (one line per kind, naming what each consumer does there) |
 | ``halves`` | a module has only ``lora_A`` or only ``lora_B`` |
 | ``shapes`` | ``lora_A [r, in]`` / ``lora_B [out, r]`` disagree with ``r`` (and with the base weight ``[out, in]``) |
 | ``finite`` | a tensor is not float32/bf16/fp16/fp64, or holds NaN or Inf |
 | ``selection`` | ``target_modules`` does not select exactly the exported modules |
-| ``fingerprint`` | (with a base) the adapter was trained against another base, or records none |
+| ``fingerprint`` | (with a base) the adapter records a fingerprint of another base |
+| ``provenance`` | (only when certification is required) no ``.complete`` or no base fingerprint: a third-party adapter is *uncertified*, not wrong |
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from impl.adapter.build import all_finite
 from impl.adapter.dialects import DIALECTS, PEFT_PREFIX, Dialect
 from impl.adapter.files import ADAPTER_FILE, COMPLETE_MARKER, CONFIG_FILE, file_sha256
 from impl.adapter.fingerprint import FingerprintMismatchError, read_adapter_fingerprint, verify_fingerprint
+from impl.adapter.kinds import ModuleKind, place_module
 from impl.errors import ExportError
 from impl.lora.vocabulary import TARGET_TABLE
 
@@ -48,6 +50,8 @@ LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _LORA_DTYPE_NAMES = ", ".join(str(d).removeprefix("torch.") for d in LORA_DTYPES)
 _TENSOR_RE = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight")
 _MAIN_RE = re.compile(r"(?:layers\.[0-9]+|mtp\.[0-9]+)\.attn\.([a-z_0-9]+)\.weight")
+_LAYER_PREFIX = re.compile(r"^(?:layers|mtp)\.[0-9]+\.(?:attn\.|ffn\.)?")
+_MAGNITUDE_RE = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class AdapterDir:
 
     path: Path
     require_complete: bool = True
+    require_certified: bool = False  # an uncertified adapter (no marker or no fingerprint) is a problem
     base_names: BaseNames | None = None  # name/shape/selection checks against a base
     fingerprint_base: str | os.PathLike | Mapping[str, torch.Tensor] | None = None  # fingerprint check
     base_config: Mapping[str, Any] | None = None
@@ -112,7 +117,18 @@ class AdapterDir:
 
     @property
     def dialect(self) -> Dialect | None:
-        return DIALECTS.get(self.metadata.get("dsv4_dialect", ""))
+        """The recorded dialect (our exports); a third-party adapter's is read off its module names."""
+        recorded = self.metadata.get("dsv4_dialect")
+        if recorded is not None:
+            return DIALECTS.get(recorded)
+        found = self.name_dialects
+        return DIALECTS[next(iter(found))] if len(found) == 1 else None
+
+    @cached_property
+    def name_dialects(self) -> set[str]:
+        """The dialects the module names are written in (a mix is a problem)."""
+        places = [place_module(m) for m in self.modules]
+        return {p.dialect for p in places if p is not None and p.kind is not ModuleKind.ROUTED_EXPERT}
 
     @cached_property
     def marker(self) -> dict[str, Any] | None:
@@ -124,7 +140,12 @@ def _files(a: AdapterDir) -> Iterator[str]:
     missing = [f for f in (a.config_file, a.tensor_file) if not f.is_file()]
     yield from (f"{a.path}: missing {f.name}" for f in missing)
     pickles = sorted(p.name for pattern in ("*.bin", "*.pt") for p in a.path.glob(pattern))
-    yield from (f"{a.path / p}: pickle weights are never accepted" for p in pickles)
+    yield from (
+        f"{a.path / p}: pickle weights are never unpickled implicitly (loading a pickle can run code); convert it "
+        f"with `dsv4-lora convert-adapter --adapter {a.path} --out DIR2` (torch.load weights_only=True, then "
+        "safetensors)"
+        for p in pickles
+    )
     if missing:
         return
     for file, read in ((a.config_file, lambda: a.config), (a.tensor_file, lambda: a.tensors)):
@@ -158,8 +179,15 @@ def _marker(a: AdapterDir) -> Iterator[str]:
 def _config(a: AdapterDir) -> Iterator[str]:
     cfg, file = a.config, a.config_file
     for key, want in (("peft_type", "LORA"), ("bias", "none"), ("task_type", "CAUSAL_LM")):
-        if cfg.get(key) != want:
+        if cfg.get(key) != want and not (key == "task_type" and cfg.get(key) is None):  # PEFT accepts None
             yield f"{file}: {key}={cfg.get(key)!r}, expected {want!r}"
+    if cfg.get("use_dora"):
+        mags = sum(1 for k in a.tensors if _MAGNITUDE_RE.fullmatch(k))
+        yield (
+            f"{file}: use_dora=True: a DoRA adapter ({mags} lora_magnitude_vector tensors): its delta is "
+            "m*(W+s*B@A)/|W+s*B@A| - W, not s*B@A; PEFT applies it, no V4 serving engine's LoRA path nor "
+            "dsv4-lora's export does"
+        )
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
         yield f"{file}: r={r!r} must be a positive integer"
@@ -184,27 +212,81 @@ def _valid_target_modules(value: Any) -> bool:
 
 
 def _names(a: AdapterDir) -> Iterator[str]:
-    for key in a.tensors:
-        if _TENSOR_RE.fullmatch(key) is None:
-            yield f"{key}: not a PEFT LoRA tensor name (base_model.model.<module>.lora_A|B.weight)"
+    yield from _foreign_tensors(a)
     if not a.modules:
         yield f"{a.tensor_file}: no adapter tensors"
-    if a.dialect is None:
-        yield f"{a.tensor_file}: unknown dsv4_dialect {a.metadata.get('dsv4_dialect')!r}"
-    if a.base_names is None:
-        return
+    recorded = a.metadata.get("dsv4_dialect")
+    if recorded is not None and recorded not in DIALECTS:
+        yield f"{a.tensor_file}: unknown dsv4_dialect {recorded!r}"
+    elif len(a.name_dialects) > 1:
+        yield f"{a.tensor_file}: module names mix the dialects {sorted(a.name_dialects)}"
+    elif recorded is not None and a.name_dialects and recorded not in a.name_dialects:
+        yield f"{a.tensor_file}: metadata says dialect {recorded!r}, the names are {next(iter(a.name_dialects))!r}"
+    elif a.modules and a.dialect is None:
+        yield f"{a.tensor_file}: the module names are in no V4 naming dialect (transformers, official, sglang)"
+    if a.base_names is not None:
+        yield from _module_kinds(a)
+
+
+def _counted(items: list[str], what: str, then: str = "") -> str:
+    """One problem line for one cause: how many, one example, and the consequence."""
+    return f"{len(items)} {what}, e.g. {items[0]}" + (f"; {then}" if then else "")
+
+
+def _foreign_tensors(a: AdapterDir) -> Iterator[str]:
+    """Tensors that are no LoRA halves, grouped by cause (one line each)."""
+    odd = [k for k in a.tensors if _TENSOR_RE.fullmatch(k) is None and _MAGNITUDE_RE.fullmatch(k) is None]
+    unprefixed = [k for k in odd if _TENSOR_RE.fullmatch(PEFT_PREFIX + k)]
+    saved = [k for k in odd if k.startswith(PEFT_PREFIX) and place_module(k.removeprefix(PEFT_PREFIX))]
+    other = [k for k in odd if k not in unprefixed and k not in saved]
+    if unprefixed:
+        yield _counted(
+            unprefixed,
+            f"tensors lack the {PEFT_PREFIX!r} prefix PEFT needs",
+            "PeftModel.from_pretrained would load none of them",
+        )
+    if saved:
+        kinds = sorted({str(place_module(k.removeprefix(PEFT_PREFIX)).kind) for k in saved})
+        yield _counted(
+            saved,
+            f"full weights (modules_to_save={a.config.get('modules_to_save')!r}: {', '.join(kinds)})",
+            "PEFT replaces the base's weight with each; they are no LoRA delta, and no V4 serving engine's LoRA "
+            "path nor dsv4-lora's export carries them",
+        )
+    if other:
+        yield _counted(other, "tensors are not PEFT LoRA tensor names (base_model.model.<module>.lora_A|B.weight)")
+
+
+def _module_kinds(a: AdapterDir) -> Iterator[str]:
+    """With a base: each module's kind; every module that is not a main-attention target, one line per kind."""
+    from impl.adapter.consumers import OFF_TARGET_HAZARD, off_target_consequence
+
     main = sorted({row.official for row in TARGET_TABLE.main})
+    unknown, absent, by_kind = [], {}, {}
     for module in a.modules:
+        place = place_module(module)
         official = a.base_names.official_of(module)
-        if official is None or official not in a.base_names.shapes:
-            yield f"{module}: resolves to no base tensor ({official or 'unknown name'})"
-            continue
-        m = _MAIN_RE.fullmatch(official)
-        if m is None or m[1] not in main:
-            yield (
-                f"{module}: wraps {official}, not one of the main attention projections {main} "
-                "(indexer/compressor adapters are not portable)"
-            )
+        if place is None:
+            unknown.append(module)
+        elif place.kind is not ModuleKind.MAIN:
+            by_kind.setdefault(place.kind, []).append(module)
+        elif official is None or official not in a.base_names.shapes:
+            absent.setdefault(official or "unknown name", []).append(module)
+    if unknown:
+        yield _counted(unknown, "modules name nothing of a V4 base in any dialect")
+    for official, modules in absent.items():
+        yield f"{modules[0]}: resolves to no base tensor ({official})" + (
+            f" (and {len(modules) - 1} more)" if len(modules) > 1 else ""
+        )
+    dialect = a.dialect.name if a.dialect else "transformers"
+    for kind, modules in by_kind.items():
+        leaves = sorted({_LAYER_PREFIX.sub("", place_module(m).official or m) for m in modules})
+        hazard = OFF_TARGET_HAZARD.get(str(kind))
+        yield _counted(
+            modules,
+            f"modules are {kind} modules ({', '.join(leaves)}), not the main attention projections {main}",
+            (f"{hazard}; " if hazard else "") + off_target_consequence(str(kind), dialect),
+        )
 
 
 def _halves(a: AdapterDir) -> Iterator[str]:
@@ -246,28 +328,35 @@ def _selection(a: AdapterDir) -> Iterator[str]:
     if d is None or not a.modules or not _valid_target_modules(got):
         return  # reported by names / config
     if a.base_names is None:
-        if got != d.target_modules(list(a.modules)):
+        if "dsv4_dialect" not in a.metadata:  # a third-party spec: without the base only coverage is checkable
+            absent = sorted(set(a.modules) - selected_modules(got, dict.fromkeys(a.modules, "")))
+            if absent:
+                yield _counted(absent, "modules with adapter tensors are not selected by target_modules")
+        elif got != d.target_modules(list(a.modules)):
             yield (
                 f"{a.config_file}: target_modules {got!r} does not select exactly the {len(a.modules)} exported modules"
             )
         return
-    selected = selected_modules(got, a.base_names.selectable(d.name))
-    if isinstance(got, str):
-        extra, absent = sorted(selected - set(a.modules)), sorted(set(a.modules) - selected)
-    else:
+    if isinstance(got, list) and d.target_modules_style == "leaves":  # vLLM/SGLang read a list as module leaves
         leaves = {m.rsplit(".", 1)[-1] for m in a.modules}
-        extra, absent = sorted(set(got or []) - leaves), sorted(leaves - set(got or []))
-    yield from (f"target_modules also selects {m} (no tensors for it in the adapter)" for m in extra[:20])
-    yield from (f"target_modules does not select {m}, which has adapter tensors" for m in absent[:20])
+        extra, absent = sorted(set(got) - leaves), sorted(leaves - set(got))
+    else:
+        selected = selected_modules(got, a.base_names.selectable(d.name))
+        extra, absent = sorted(selected - set(a.modules)), sorted(set(a.modules) - selected)
+    if extra:
+        yield _counted(extra, "modules target_modules also selects have no tensors in the adapter")
+    if absent:
+        yield _counted(absent, "modules with adapter tensors are not selected by target_modules")
 
 
 def selected_modules(target_modules: Any, base_modules: Mapping[str, str]) -> set[str]:
-    """Base modules (dialect paths) that PEFT's target_modules would wrap: str = fullmatch, list = leaf/suffix."""
+    """Base modules (dialect paths) that PEFT's target_modules would wrap: str = fullmatch, list = PEFT's suffix
+    match (the module path is an entry or ends with ``.`` + an entry)."""
     if isinstance(target_modules, str):
         rx = re.compile(target_modules)
         return {m for m in base_modules if rx.fullmatch(m)}
-    leaves = set(target_modules or [])
-    return {m for m in base_modules if m.rsplit(".", 1)[-1] in leaves}
+    wanted = set(target_modules or [])
+    return {m for m in base_modules if m in wanted or any(m.endswith("." + t) for t in wanted)}
 
 
 def _fingerprint(a: AdapterDir) -> Iterator[str]:
@@ -279,8 +368,7 @@ def _fingerprint(a: AdapterDir) -> Iterator[str]:
         yield f"{a.tensor_file}: unreadable base fingerprint metadata ({exc})"
         return
     if recorded is None:
-        yield f"{a.tensor_file}: records no base fingerprint; cannot prove which base it was trained on"
-        return
+        return  # uncertified, not wrong: the provenance check says so
     if not _fingerprint_shape(recorded):
         yield f"{a.tensor_file}: the base fingerprint metadata is not a dsv4-lora fingerprint"
         return
@@ -298,6 +386,32 @@ def _fingerprint_shape(recorded: Any) -> bool:
     )
 
 
+def unproven(a: AdapterDir) -> list[str]:
+    """What this adapter cannot prove: no ``.complete`` (completeness), no base fingerprint (which base)."""
+    present = (a.path / COMPLETE_MARKER).exists()  # an unreadable one is the marker check's finding
+    missing = [] if present else [f"no {COMPLETE_MARKER} marker (its completeness cannot be proven)"]
+    try:
+        recorded = read_adapter_fingerprint(a.path)
+    except ValueError:
+        recorded = {}  # unreadable: the fingerprint check reports it
+    if recorded is None:
+        missing.append("no base fingerprint (the base it was trained on cannot be proven)")
+    return missing
+
+
+def _provenance(a: AdapterDir) -> Iterator[str]:
+    missing = unproven(a)
+    if missing and a.require_certified:
+        yield f"{a.path}: uncertified ({'; '.join(missing)}) and certification is required"
+
+
+def _provenance_figure(a: AdapterDir) -> str:
+    missing = unproven(a)
+    if missing:
+        return "uncertified: " + "; ".join(missing)
+    return "certified: .complete and base fingerprint recorded"
+
+
 class AdapterCheck(NamedTuple):
     """One check: its name, the function yielding its problems, what a pass reports, and the error type the
     raising reporter uses. ``blocking``: later checks need it to pass (they read what it found readable)."""
@@ -309,16 +423,41 @@ class AdapterCheck(NamedTuple):
     blocking: bool = False
 
 
+def lora_scale(config: Mapping[str, Any]) -> float:
+    """The factor PEFT multiplies ``B@A`` by: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA."""
+    r, alpha = config["r"], config["lora_alpha"]
+    return alpha / (r**0.5 if config.get("use_rslora") else r)
+
+
+def _config_figure(a: AdapterDir) -> str:
+    cfg = a.config
+    figure = f"LoRA r={cfg.get('r')} alpha={cfg.get('lora_alpha')}"
+    if cfg.get("use_rslora"):
+        figure += f", rsLoRA: scale alpha/sqrt(r) = {lora_scale(cfg):g}"
+    return figure
+
+
+def _dialect_figure(a: AdapterDir) -> str:
+    name = a.dialect.name if a.dialect else None
+    return f"{name} (read off the names)" if "dsv4_dialect" not in a.metadata and name else str(name)
+
+
+def _fingerprint_figure(a: AdapterDir) -> str:
+    if read_adapter_fingerprint(a.path) is None:
+        return "none recorded (see provenance)"
+    return "matches the base" if a.fingerprint_base is not None else "not checked (no base given)"
+
+
 def _marker_figure(a: AdapterDir) -> str:
-    return f"certifies {len(a.marker['files'])} files" if a.marker else "no .complete (not required)"
+    return f"certifies {len(a.marker['files'])} files" if a.marker else "no .complete (see provenance)"
 
 
 #: THE list: validate_adapter_dir and verify-adapter both run these, in this order.
 ADAPTER_CHECKS: tuple[AdapterCheck, ...] = (
     AdapterCheck("files", _files, lambda a: "present", blocking=True),
     AdapterCheck("marker", _marker, _marker_figure),
-    AdapterCheck("config", _config, lambda a: f"LoRA r={a.config.get('r')} alpha={a.config.get('lora_alpha')}"),
-    AdapterCheck("names", _names, lambda a: f"{len(a.modules)} modules, dialect {a.metadata.get('dsv4_dialect')}"),
+    AdapterCheck("config", _config, _config_figure),
+    AdapterCheck("names", _names, lambda a: f"{len(a.modules)} modules, dialect {_dialect_figure(a)}"),
     AdapterCheck("halves", _halves, lambda a: "lora_A and lora_B for every module"),
     AdapterCheck("shapes", _shapes, lambda a: "agree with r" + (" and the base" if a.base_names else "")),
     AdapterCheck("finite", _finite, lambda a: f"{len(a.tensors)} tensors"),
@@ -326,9 +465,10 @@ ADAPTER_CHECKS: tuple[AdapterCheck, ...] = (
     AdapterCheck(
         "fingerprint",
         _fingerprint,
-        lambda a: "matches the base" if a.fingerprint_base is not None else "not checked (no base given)",
+        lambda a: _fingerprint_figure(a),
         error=FingerprintMismatchError,
     ),
+    AdapterCheck("provenance", _provenance, _provenance_figure),
 )
 
 
@@ -388,11 +528,14 @@ def validate_adapter_dir(
     base: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
     base_config: Mapping[str, Any] | None = None,
     require_complete: bool = True,
+    require_certified: bool | None = None,
 ) -> dict[str, Any]:
     """Fully check an exported adapter (every check of :data:`ADAPTER_CHECKS`; the fingerprint against ``base``
     when given). Returns ``{"config", "modules", "marker"}``; raises :class:`AdapterValidationError` (or
-    :class:`FingerprintMismatchError`) naming the offending file/tensor."""
-    adapter = AdapterDir(Path(adapter_dir), require_complete, fingerprint_base=base, base_config=base_config)
+    :class:`FingerprintMismatchError`) naming the offending file/tensor. ``require_certified`` (default: when a
+    base is given) also refuses an adapter that records no fingerprint or has no marker."""
+    certified = base is not None if require_certified is None else require_certified
+    adapter = AdapterDir(Path(adapter_dir), require_complete, certified, fingerprint_base=base, base_config=base_config)
     raise_first_problem(adapter)
     return {"config": adapter.config, "modules": sorted(adapter.modules), "marker": adapter.marker}
 
@@ -405,6 +548,7 @@ __all__ = [
     "BaseNames",
     "CheckReport",
     "list_problems",
+    "lora_scale",
     "raise_first_problem",
     "selected_modules",
     "validate_adapter_dir",

@@ -22,8 +22,9 @@ from typing import Any
 
 from impl.adapter.consumers import CONSUMER_CHOICES, MTP, ConsumerVerdict, consumer_choice, consumer_verdict
 from impl.adapter.dialects import PEFT_PREFIX, resolve_module
+from impl.adapter.kinds import place_module
 from impl.cli import output
-from impl.errors import Dsv4Error
+from impl.errors import Dsv4Error, ExportError
 
 #: the ``--consumer`` names shown in ``--help`` (each engine of the table is accepted too, e.g. ``vllm/cpu``)
 CONSUMER_NAMES = tuple(CONSUMER_CHOICES)
@@ -51,15 +52,20 @@ def adapter_targets(adapter: str | Path) -> AdapterTargets:
     except Exception as exc:  # a truncated or foreign file: a problem line, not a traceback
         return AdapterTargets(None, problems=[f"{file}: not readable as safetensors ({type(exc).__name__}: {exc})"])
     found = AdapterTargets(metadata.get("dsv4_dialect"))
-    dialects = set()
+    dialects, uncovered = set(), {}
     for name in sorted(names):
         module = name.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0]
         ref = resolve_module(module)
-        if not name.startswith(PEFT_PREFIX) or ref is None:
-            found.problems.append(f"{name}: names no V4 attention target in any dialect; no consumer rule covers it")
+        if not name.startswith(PEFT_PREFIX) or ref is None or not ref.row.main:
+            place = place_module(module) if name.startswith(PEFT_PREFIX) else None
+            uncovered.setdefault(str(place.kind) if place else "unknown", []).append(name)
             continue
         dialects.add(ref.dialect)
         found.targets.add(MTP if ref.layer is None else ref.row.official)
+    for kind, listed in uncovered.items():  # one line per kind, not per tensor
+        found.problems.append(
+            f"{len(listed)} tensors name no main-attention target ({kind}), e.g. {listed[0]}; no consumer rule covers them"
+        )
     if len(dialects) > 1:
         found.problems.append(f"{file}: module names mix the dialects {sorted(dialects)}")
     elif dialects and found.dialect not in (None, *dialects):
@@ -140,17 +146,25 @@ def _source_state(src: Path):
     from impl.adapter.build import AdapterState
     from impl.adapter.dialects import native_name
     from impl.adapter.fingerprint import METADATA_KEY
-    from impl.adapter.validation import AdapterDir, validate_adapter_dir
+    from impl.adapter.validation import AdapterDir, lora_scale, validate_adapter_dir
 
     validate_adapter_dir(src, require_complete=False)
     view = AdapterDir(src, require_complete=False)
     tensors = {}
     for module, halves in view.modules.items():
         ref = resolve_module(module)
+        if ref is None or not ref.row.main:
+            place = place_module(module)
+            raise ExportError(
+                f"{src}: {module} is {'a ' + str(place.kind) + ' module' if place else 'no V4 module'}; only the "
+                "main-attention targets are exportable (drop it, or use the adapter with PEFT as it is)"
+            )
         for half, key in (("A", "lora_A"), ("B", "lora_B")):
             tensors[native_name(ref.layer, ref.row, half)] = halves[key]
     cfg = view.config
-    state = AdapterState(tensors, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0))
+    # the native state scales by alpha/r: an rsLoRA adapter's alpha/sqrt(r) is carried as the equivalent alpha
+    alpha = lora_scale(cfg) * cfg["r"] if cfg.get("use_rslora") else cfg["lora_alpha"]
+    state = AdapterState(tensors, r=cfg["r"], alpha=alpha, dropout=cfg.get("lora_dropout", 0.0))
     fingerprint = view.metadata.get(METADATA_KEY)
     options = {
         "base_model_name_or_path": cfg.get("base_model_name_or_path"),

@@ -11,6 +11,7 @@ from typing import Any
 
 from impl.cli import output
 from impl.cli.consumer_check import add_consumer_arguments, add_export_parser
+from impl.cli.convert import add_convert_parser
 from impl.errors import Dsv4Error, OutputPathError, UsageError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
@@ -150,15 +151,19 @@ def cmd_qualify(args: argparse.Namespace) -> int:
 def cmd_verify_adapter(args: argparse.Namespace) -> int:
     from impl.cli.verify import verify_adapter
 
-    result = verify_adapter(args.base, args.adapter, forward=args.forward)
+    result = verify_adapter(args.base, args.adapter, forward=args.forward, require_certified=args.require_certified)
     if args.consumer:  # the consumer's rules: one problem per target it would not apply
         from impl.cli.consumer_check import add_consumer_check
 
         add_consumer_check(result, args.adapter, args.consumer, args.consumer_version)
-    _print_table([("check", "result", "detail")] + [(c.name, _status(c.passed), c.figure) for c in result.checks])
+    rows = [(c.name, c.status or _status(c.passed), c.figure) for c in result.checks]
+    _print_table([("check", "result", "detail")] + rows)
     for problem in result.problems:
         print(f"  problem: {problem}")
-    print(f"\n{'PASSED' if result.ok else 'FAILED'}: {len(result.problems)} problem(s)")
+    verdict = "PASSED" if result.ok else "FAILED"
+    if result.ok and result.uncertified:  # sound, but its base and completeness cannot be proven
+        verdict = "PASSED, UNCERTIFIED (--require-certified refuses it)"
+    print(f"\n{verdict}: {len(result.problems)} problem(s)")
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
@@ -260,6 +265,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
 
     _add_verify_parser(sub, common)
     add_export_parser(sub, parents=[common])
+    add_convert_parser(sub, parents=[common])
     _add_coverage_parser(sub, common)
     return parser
 
@@ -270,12 +276,19 @@ def _add_verify_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="check an existing PEFT adapter against a base without loading full weights",
         description="Reads safetensors headers and configs only (works on a full-size base): names resolve to "
-        "base modules, only the configured modules, shapes agree, rank/alpha consistent, finite values, "
-        "fingerprint matches, .complete certifies these files.",
+        "base modules (each non-main-attention module reported by kind, with what each consumer does there), "
+        "only the configured modules, shapes agree, rank/alpha consistent, finite values; a fingerprint or "
+        ".complete that is present must match. Without them the adapter is UNCERTIFIED (exit 0 unless "
+        "--require-certified).",
     )
     v.add_argument("--base", required=True, help="base checkpoint directory")
     v.add_argument("--adapter", required=True, help="PEFT adapter directory")
     v.add_argument("--forward", action="store_true", help="also run the tiny logits check (small bases only)")
+    v.add_argument(
+        "--require-certified",
+        action="store_true",
+        help="exit 1 for an adapter without .complete or base fingerprint (a third-party adapter)",
+    )
     add_consumer_arguments(v, export=False)
     v.set_defaults(func=cmd_verify_adapter)
 

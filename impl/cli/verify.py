@@ -5,8 +5,10 @@ Pro base); the adapter's own tensors are small and are read in full. Each proble
 The checks are :data:`impl.adapter.validation.ADAPTER_CHECKS` (the exporter's own, see the table there), here
 against the base's names and shapes, plus the opt-in ``forward`` check: PEFT's merged model must equal the base
 with ``W + s*B@A`` applied by hand. Names are translated through the target table (:mod:`impl.lora.vocabulary`)
-and the naming dialects (:mod:`impl.adapter.dialects`); the modules ``target_modules`` may select are the
-table's attention targets.
+and the naming dialects (:mod:`impl.adapter.dialects`); every other module of a V4 base resolves to its kind
+(:mod:`impl.adapter.kinds`), so an adapter from any producer is judged by what it wraps. Provenance (``.complete``,
+the base fingerprint) is its own line: an adapter without them is *uncertified*, which fails only with
+``require_certified``; one that has them is held to them.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from impl.adapter.dialects import DIALECTS, resolve_module
-from impl.lora.vocabulary import TARGET_TABLE, TargetTable
+from impl.adapter.kinds import dialect_module, place_module
 
 
 @dataclass
@@ -24,6 +25,7 @@ class VerifyCheck:
     name: str
     passed: bool | None
     figure: str
+    status: str | None = None  # shown instead of PASS/FAIL/n/a (provenance: CERTIFIED / UNCERTIFIED)
 
 
 @dataclass
@@ -35,29 +37,39 @@ class VerifyResult:
     def ok(self) -> bool:
         return not self.problems and all(c.passed is not False for c in self.checks)
 
+    @property
+    def uncertified(self) -> str | None:
+        """Why the adapter's base and completeness cannot be proven (None: certified, or never checked)."""
+        row = next((c for c in self.checks if c.name == "provenance"), None)
+        return row.figure if row is not None and row.status == "UNCERTIFIED" else None
 
-def _official_base_of(module: str, table: TargetTable = TARGET_TABLE) -> str | None:
-    """The official base weight a PEFT module path (any of the three dialects) adapts, or None."""
-    ref = resolve_module(module, table)
-    return None if ref is None else ref.official_weight
+
+def _official_base_of(module: str) -> str | None:
+    """The official base weight a PEFT module path (any dialect) adapts, or None."""
+    place = place_module(module)
+    return None if place is None else place.official_weight
 
 
-def _dialect_paths(headers: dict[str, Any], dialect: str, table: TargetTable = TARGET_TABLE) -> dict[str, str]:
-    """Dialect module path -> official weight name, for every 2-D base weight of a table target."""
+def _dialect_paths(headers: dict[str, Any], dialect: str) -> dict[str, str]:
+    """Dialect module path -> official weight name, for every 2-D base weight PEFT could wrap in ``dialect``."""
     out = {}
     for name, (shape, _) in headers.items():
-        if not name.endswith(".weight") or len(shape) != 2 or name.startswith("mtp."):
+        if not name.endswith(".weight") or len(shape) != 2:
             continue
-        hit = DIALECTS["official"].parse_module(name.removesuffix(".weight"), table)
-        if hit is not None:
-            out[DIALECTS[dialect].module_name(*hit)] = name
+        module = dialect_module(name.removesuffix(".weight"), dialect)
+        if module is not None:
+            out[module] = name
     return out
 
 
-def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = False) -> VerifyResult:
+def verify_adapter(
+    base: str | Path, adapter: str | Path, *, forward: bool = False, require_certified: bool = False
+) -> VerifyResult:
     """The ``base`` check (:func:`impl.conversion.base_dir.inspect_base`: DeepSeek-V4, shards, headers), then every
     check of :data:`ADAPTER_CHECKS` against it (plus ``forward`` when asked). Never raises on a bad adapter or base:
-    every problem is listed, naming its file or tensor. With a bad base the adapter is still checked on its own."""
+    every problem is listed, naming its file or tensor. With a bad base the adapter is still checked on its own.
+    An adapter without ``.complete`` or base fingerprint is uncertified (:attr:`VerifyResult.uncertified`): a
+    problem only with ``require_certified``."""
     from impl.adapter.validation import AdapterDir, BaseNames, list_problems
     from impl.conversion.base_dir import inspect_base
 
@@ -73,14 +85,18 @@ def verify_adapter(base: str | Path, adapter: str | Path, *, forward: bool = Fal
             official_of=_official_base_of,
             selectable=lambda dialect: _dialect_paths(headers, dialect),
         )
-    view = AdapterDir(adapter, base_names=names, fingerprint_base=base if read.ok else None)
+    view = AdapterDir(adapter, False, require_certified, base_names=names, fingerprint_base=base if read.ok else None)
     for report in list_problems(view):
         res.problems += report.problems
-        res.checks.append(VerifyCheck(report.name, not report.problems, report.figure))
+        status = None
+        if report.name == "provenance" and not report.problems:
+            status = "UNCERTIFIED" if report.figure.startswith("uncertified") else "CERTIFIED"
+        res.checks.append(VerifyCheck(report.name, not report.problems, report.figure, status))
     if forward and res.ok:
-        cfg = view.config
+        from impl.adapter.validation import lora_scale
+
         try:
-            res.checks.append(_forward_check(base, adapter, view.modules, cfg["r"], cfg["lora_alpha"], res))
+            res.checks.append(_forward_check(base, adapter, view.modules, lora_scale(view.config), res))
         except Exception as exc:  # transformers / PEFT refusing this base or adapter is a finding about them
             res.problems.append(f"{base}: the forward check could not run ({type(exc).__name__}: {exc})")
             res.checks.append(VerifyCheck("forward", False, "could not run"))
@@ -110,17 +126,17 @@ def _load_transformers(base: Path):
     return model.eval(), problems
 
 
-def _forward_check(base: Path, adapter: Path, modules, r, alpha, res: VerifyResult) -> VerifyCheck:
-    """PEFT merged and unmerged (grouped o_a_proj layer) vs the base with ``W + (alpha/r)·B@A`` applied by hand
-    (transformers dialect only)."""
+def _forward_check(base: Path, adapter: Path, modules, scale: float, res: VerifyResult) -> VerifyCheck:
+    """PEFT merged and unmerged (grouped o_a_proj layer) vs the base with ``W + s·B@A`` applied by hand
+    (``s``: :func:`impl.adapter.validation.lora_scale`; transformers dialect only)."""
     import torch
     from transformers import AutoConfig
 
     from impl.lora.peft_loader import load_peft_adapter
     from impl.native.config import V4Config
 
-    refs = [resolve_module(m) for m in modules]
-    if not modules or not all(ref is not None and ref.dialect == "transformers" for ref in refs):
+    places = [place_module(m) for m in modules]
+    if not modules or not all(p is not None and p.dialect == "transformers" for p in places):
         return VerifyCheck("forward", None, "only for transformers-dialect adapters")
     cfg = AutoConfig.from_pretrained(base)
     seq = V4Config.from_hf(cfg).min_seq_len
@@ -132,7 +148,7 @@ def _forward_check(base: Path, adapter: Path, modules, r, alpha, res: VerifyResu
     with torch.no_grad():
         for module, h in modules.items():
             weight = manual.get_submodule(module).weight
-            weight += (alpha / r) * (h["lora_B"].float() @ h["lora_A"].float()).to(weight.dtype)
+            weight += scale * (h["lora_B"].float() @ h["lora_A"].float()).to(weight.dtype)
         want = manual(ids).logits
         merged = load_peft_adapter(_load_transformers(base)[0], adapter, merge=True)(ids).logits
         unmerged = load_peft_adapter(_load_transformers(base)[0], adapter).eval()(ids).logits

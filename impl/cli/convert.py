@@ -1,0 +1,97 @@
+"""``dsv4-lora convert-adapter``: a pickled PEFT adapter (``adapter_model.bin`` / ``*.pt``) as safetensors.
+
+``verify-adapter`` and the export never unpickle anything (loading a pickle can run code). This explicit command
+is the way forward: it loads the pickle with ``torch.load(..., weights_only=True)`` (tensors and plain containers
+only), refuses anything but a flat ``{name: tensor}`` dict (:class:`impl.errors.PickleAdapterError` naming what it
+found), and publishes ``adapter_model.safetensors`` beside the unchanged ``adapter_config.json`` through the
+export's fail-closed atomic path (:func:`impl.adapter.files.publish_files`). The result is still uncertified
+(nothing proves its base); ``dsv4-lora export --adapter OUT --consumer ...`` re-publishes it for a consumer.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from impl.errors import ConfigFileError, PickleAdapterError
+
+PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt")
+
+
+def _pickle_file(src: Path) -> Path:
+    for name in PICKLE_NAMES:
+        if (src / name).is_file():
+            return src / name
+    found = sorted(p for pattern in ("*.bin", "*.pt") for p in src.glob(pattern))
+    if len(found) != 1:
+        what = "none" if not found else ", ".join(p.name for p in found)
+        raise PickleAdapterError(f"{src}: expected one pickled adapter file (adapter_model.bin or *.pt), found {what}")
+    return found[0]
+
+
+def _describe(obj: Any) -> str:
+    if not isinstance(obj, dict):
+        return f"a {type(obj).__name__}"
+    import torch
+
+    odd = [(k, v) for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    k, v = odd[0]
+    return f"a dict with {len(odd)} entries that are no name -> tensor pair, e.g. {k!r}: {type(v).__name__}"
+
+
+def load_pickled_tensors(file: Path) -> dict:
+    """The flat ``{name: tensor}`` dict in ``file``, loaded with ``weights_only=True``; typed error otherwise."""
+    import torch
+
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refuses code-carrying pickles; a corrupt file fails too
+        raise PickleAdapterError(
+            f"{file}: torch.load(weights_only=True) refused it ({type(exc).__name__}: {str(exc)[:300]})"
+        ) from None
+    if (
+        not isinstance(obj, dict)
+        or not obj
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+    ):
+        found = "an empty dict" if isinstance(obj, dict) and not obj else _describe(obj)
+        raise PickleAdapterError(f"{file}: holds {found}, not a flat dict of tensors (name -> tensor)")
+    return {k: v.detach().clone().contiguous() for k, v in obj.items()}
+
+
+def convert_adapter(src: str | Path, out: str | Path) -> Path:
+    """Convert the pickled adapter in ``src`` to a safetensors adapter directory ``out``; returns ``out``."""
+    from safetensors.torch import save
+
+    from impl.adapter.files import ADAPTER_FILE, CONFIG_FILE, publish_files
+
+    src = Path(src)
+    config = src / CONFIG_FILE
+    if not config.is_file():
+        raise ConfigFileError(f"{config}: missing; a PEFT adapter directory holds its adapter_config.json")
+    tensors = load_pickled_tensors(_pickle_file(src))
+    payload = save(tensors, metadata={"format": "pt"})
+    return publish_files(out, {ADAPTER_FILE: payload, CONFIG_FILE: config.read_bytes()}, dialect="unrecorded")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    out = convert_adapter(args.adapter, args.out)
+    print(f"converted {args.adapter} to {out} (adapter_model.safetensors; adapter_config.json unchanged)")
+    print(f"next: dsv4-lora verify-adapter --base BASE --adapter {out}")
+    return 0
+
+
+def add_convert_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """Register ``dsv4-lora convert-adapter``."""
+    c = sub.add_parser(
+        "convert-adapter",
+        parents=parents,
+        help="convert a pickled PEFT adapter (adapter_model.bin / .pt) to safetensors",
+        description="Loads the pickle with torch.load(weights_only=True), refuses anything but a flat dict of "
+        "tensors, and publishes adapter_model.safetensors with the unchanged adapter_config.json atomically "
+        "(fail-closed, .complete last). Nothing else ever unpickles an adapter.",
+    )
+    c.add_argument("--adapter", required=True, help="PEFT adapter directory holding adapter_model.bin (or *.pt)")
+    c.add_argument("--out", required=True, help="destination directory (replaced atomically)")
+    c.set_defaults(func=cmd_convert)
