@@ -3,10 +3,14 @@
 # (requirements/device-image.txt: torch, transformers, peft as that image has them, and no megatron) in an
 # environment of its own, the bundle of scripts/device_bundle.sh, and `DEVICE_CHECK_DRY=1 scripts/device_check.sh`
 # inside a network namespace that has only loopback (gloo's ranks meet there), so nothing can be fetched.
-#   scripts/device_rehearsal.sh [VENV]        default VENV=.venv-device (ignored by git)
+#   scripts/device_rehearsal.sh [VENV]            default VENV=.venv-device (ignored by git)
+#   scripts/device_rehearsal.sh --prepare [VENV]  only build the environment and the bundle (.ci/run does this in
+#                                                 the background while the main suite runs: it is mostly download)
 # Environment: DEVICE_CHECK_BUDGET_S (the dry check's budget, default the check's own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PREPARE_ONLY=0
+if [ "${1:-}" = --prepare ]; then PREPARE_ONLY=1; shift; fi
 VENV=${1:-.venv-device}
 start=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then
@@ -20,6 +24,7 @@ if "$VENV/bin/python" -c 'import megatron' 2>/dev/null; then
 fi
 scripts/device_bundle.sh .device-bundle
 echo "device_rehearsal: image environment and bundle ready in $(($(date +%s) - start))s"
+[ "$PREPARE_ONLY" = 1 ] && exit 0
 
 site=$(mktemp -d)/site  # a fresh install target, as on a bare machine
 # shellcheck disable=SC2016
