@@ -300,6 +300,9 @@ def _shapes(a: AdapterDir) -> Iterator[str]:
     for module, halves in a.modules.items():
         official = a.base_names.official_of(module) if a.base_names is not None else None
         out_in = a.base_names.shapes.get(official) if a.base_names is not None and official else None
+        if out_in is not None and len(out_in) != 2:
+            yield f"{module}: the base weight {official} has shape {list(out_in)}, not a 2-D weight LoRA adapts"
+            continue
         for half, t in sorted(halves.items()):
             want = [r, None] if half == "lora_A" else [None, r]
             if out_in is not None:
