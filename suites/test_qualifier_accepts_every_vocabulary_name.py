@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from fixtures.module_tree import ATTENTION_LEAVES
+
 pytestmark = pytest.mark.cpu
 
 SCOPE = "decoder.layers.{i}.self_attention"
 # the linears of a native V4 attention block with a CSA compressor and an indexer (the native graph's paths)
-NATIVE = (
-    "wq_a",
-    "wq_b",
-    "wkv",
-    "wo_a",
-    "wo_b",
-    "compressor.wkv",
-    "compressor.wgate",
-    "indexer.linear_wq_b",
-    "indexer.linear_weights_proj",
-    "indexer.compressor.wkv",
-    "indexer.compressor.wgate",
-)
+NATIVE = ATTENTION_LEAVES
 MODULES = tuple(f"{SCOPE.format(i=i)}.{leaf}" for i in range(2) for leaf in NATIVE)
 # the names users write (README / transformers / official checkpoint), none of them a native leaf as typed
 WRITTEN = {

@@ -10,23 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fixtures.module_tree import ATTENTION_LEAVES
+
 pytestmark = pytest.mark.cpu
 
 ATTN = "decoder.layers.{i}.self_attention"
 # every linear of a native V4 attention block with a CSA compressor + indexer, on two layers and an MTP layer
-LEAVES = (
-    "wq_a",
-    "wq_b",
-    "wkv",
-    "wo_a",
-    "wo_b",
-    "compressor.wkv",
-    "compressor.wgate",
-    "indexer.linear_wq_b",
-    "indexer.linear_weights_proj",
-    "indexer.compressor.wkv",
-    "indexer.compressor.wgate",
-)
+LEAVES = ATTENTION_LEAVES
 SCOPES = (
     "decoder.layers.0.self_attention",
     "decoder.layers.1.self_attention",
