@@ -4,10 +4,11 @@ vLLM's own layer classes (the LoRA wrappers ``LRUCacheWorkerLoRAManager`` puts a
 and its punica CPU ops (``PunicaWrapperCPU`` over ``vllm/lora/ops/torch_ops``) compute every target's projection
 at the model's own call sites (``fixtures/consumers/probe_vllm_numerics.py``, in the vLLM environment) on
 adapters the implementation exported in the ``official`` dialect, directly and re-published by
-``dsv4-lora export --consumer vllm``; PEFT on transformers computes the same projections with the
-transformers-dialect export of the same adapters (``fixtures/consumers/numerics.py``). Four adapters are active
-at once in four slots (ranks 4 and 6, vLLM padding both to 8) and the tokens alternate between them and no
-adapter, on the prefill (sgmv) and decode (bgmv) paths, in fp32 and bf16. The tolerances are derived in
+``dsv4-lora export --consumer vllm``, and on a third party's adapter (stock PEFT's ``save_pretrained``)
+re-published the same way; PEFT on transformers computes the same projections with the transformers-naming
+files of the same adapters (``fixtures/consumers/numerics.py``). Five adapters are active at once in five slots
+(ranks 4, 5 and 6, vLLM padding all to 8) and the tokens alternate between them and no adapter, on the prefill
+(sgmv) and decode (bgmv) paths, in fp32 and bf16. The tolerances are derived in
 ``numerics.py`` (``ULPS_FP32``, ``ULPS_BF16``); every comparison also asserts the LoRA effect is far above its
 tolerance in the same run.
 
