@@ -432,8 +432,14 @@ def _base_checks(base: Path) -> list[Check]:
                 f"; {kind}: {', '.join(names[:5])}"
                 for kind, names in (("unmapped", cov.unmapped), ("missing", cov.missing))
                 if names
-            ),
-            {"totals": tot, "unmapped": cov.unmapped[:20], "missing": cov.missing[:20]},
+            )
+            + (f"; {cov.base_layout} layout (save_pretrained), no MTP" if cov.base_layout != "official" else ""),
+            {
+                "totals": tot,
+                "unmapped": cov.unmapped[:20],
+                "missing": cov.missing[:20],
+                "base_layout": str(cov.base_layout),
+            },
             round(time.perf_counter() - t0, 3),
         )
     )

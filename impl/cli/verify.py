@@ -109,7 +109,8 @@ def _base_figure(read) -> str:
     if not read.ok:
         return f"{len(read.problems)} problem(s); adapter checked without the base"
     files = len({h.file for h in read.headers.values()})
-    return f"DeepSeek-V4, {len(read.headers)} tensors in {files} shard(s)"
+    layout = f", {read.layout_note}" if read.layout_note else ""
+    return f"DeepSeek-V4, {len(read.headers)} tensors in {files} shard(s){layout}"
 
 
 def _load_transformers(base: Path):

@@ -13,6 +13,8 @@ error. Headers only, so a full-size base costs milliseconds. Plain Python and sa
 | ``shards`` | no shard; the index is invalid, names a shard that is absent, or omits one that is present |
 | ``headers`` | a shard is not a readable safetensors file (truncated, corrupt); a tensor sits in two shards, or in |
 |  | another shard than the index says |
+| ``layout`` | (a base written by transformers' ``save_pretrained``: :mod:`impl.conversion.layouts`) a tensor name |
+|  | that stands for nothing of a V4 base; the others are read under their official names |
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from impl.conversion.detect import V4_ARCHITECTURE, is_deepseek_v4_config, is_deepseek_v41_config, v41_problem
+from impl.conversion.layouts import DESCRIPTION, BaseLayout, detect_layout, translate
 from impl.errors import (
     ConfigFileError,
     CorruptCheckpointError,
@@ -50,6 +53,7 @@ class TensorHeader(NamedTuple):
     shape: list[int]
     dtype: str
     file: str
+    stored: str | None = None  # the name in the file, where the layout is not the official one
 
 
 @dataclass
@@ -58,8 +62,16 @@ class BaseDir:
 
     path: Path
     config: dict[str, Any] | None = None
-    headers: dict[str, TensorHeader] = field(default_factory=dict)
+    headers: dict[str, TensorHeader] = field(default_factory=dict)  # by official name
     problems: list[Problem] = field(default_factory=list)
+    layout: BaseLayout = BaseLayout.OFFICIAL  # the naming the files use (headers are translated from it)
+
+    @property
+    def layout_note(self) -> str:
+        """The layout, for a report line ("" for the official one)."""
+        if self.layout is BaseLayout.OFFICIAL:
+            return ""
+        return f"{self.layout} layout (written by save_pretrained; no MTP)"
 
     @property
     def ok(self) -> bool:
@@ -203,11 +215,28 @@ def _header(base: BaseDir, shard: str) -> Iterator[Problem]:
         base.headers.setdefault(name, TensorHeader(list(header.shape), header.dtype, shard))
 
 
+def _layout(base: BaseDir) -> Iterator[Problem]:
+    """A base saved by transformers is read under official names; a name of neither layout is left as it is."""
+    layout = detect_layout(base.headers)
+    if layout is None or layout is BaseLayout.OFFICIAL:
+        return
+    base.layout = layout
+    official, unknown = translate(base.headers, layout)
+    if unknown:
+        yield Problem(
+            CorruptCheckpointError,
+            f"{base.path}: in {DESCRIPTION[layout]}, {len(unknown)} tensor(s) stand for nothing of a DeepSeek-V4 "
+            f"base: {_names(sorted(unknown))}",
+        )
+    base.headers = {name: base.headers[stored]._replace(stored=stored) for name, stored in official.items()}
+
+
 #: The steps, in order; a step after a failed ``directory`` or ``config`` step would only repeat it.
 BASE_STEPS: tuple[tuple[str, Callable[[BaseDir], Iterator[Problem]], bool], ...] = (
     ("directory", _directory, True),
     ("config", _config, True),
     ("shards", _shards, False),
+    ("layout", _layout, False),
 )
 
 

@@ -50,7 +50,7 @@ class LazyState(Mapping[str, torch.Tensor]):
         h = self._headers[name]
         if h.file not in self._handles:
             self._handles[h.file] = safe_open(str(self._dir / h.file), framework="pt")
-        return self._handles[h.file].get_tensor(name)
+        return self._handles[h.file].get_tensor(h.stored or name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._headers)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from impl.conversion.headers import read_file_header
+from impl.conversion.layouts import DESCRIPTION, BaseLayout, detect_layout, translate
 from impl.conversion.mapping import (
     expected_official_names,
     fill,
@@ -40,6 +41,8 @@ class CoverageReport:
     entries: list[CoverageEntry] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     layout: str = "miles"  # the native layout the ``native`` column names (impl.conversion.mapping.NATIVE_LAYOUTS)
+    base_layout: BaseLayout = BaseLayout.OFFICIAL  # the naming the checkpoint's files use (names are official)
+    absent_by_layout: list[str] = field(default_factory=list)  # official names that layout never holds (MTP)
 
     def _count(self, status: str) -> int:
         return sum(1 for e in self.entries if e.status == status)
@@ -67,6 +70,10 @@ class CoverageReport:
         if limit is not None and len(self.entries) > limit:
             lines.append(f"... {len(self.entries) - limit} more")
         lines += [f"{m:<{w}}  missing" for m in self.missing]
+        if self.base_layout is not BaseLayout.OFFICIAL:
+            lines.append(f"stored in {DESCRIPTION[self.base_layout]}; names above are official")
+        if self.absent_by_layout:
+            lines.append(f"MTP absent: {len(self.absent_by_layout)} tensor(s) that layout never holds (not counted)")
         lines.append("totals: " + ", ".join(f"{k}={v}" for k, v in self.totals.items()))
         return "\n".join(lines)
 
@@ -74,12 +81,18 @@ class CoverageReport:
         return self.table(limit=40)
 
 
-def _names_of(source: Any) -> list[str]:
+def _names_of(source: Any) -> tuple[list[str], BaseLayout]:
+    """The official names of ``source``'s tensors and the layout they were stored in."""
     if isinstance(source, str | Path):  # headers only (CorruptCheckpointError names a bad file)
-        return [name for f in sorted(Path(source).glob("*.safetensors")) for name, _ in read_file_header(f)]
+        names = [name for f in sorted(Path(source).glob("*.safetensors")) for name, _ in read_file_header(f)]
+        layout = detect_layout(names) or BaseLayout.OFFICIAL
+        if layout is BaseLayout.OFFICIAL:
+            return names, layout
+        official, unknown = translate(names, layout)
+        return [*official, *unknown], layout
     if isinstance(source, Mapping):
-        return list(source)
-    return [n if isinstance(n, str) else n.name for n in source]  # names or TensorSpec-like rows
+        return list(source), BaseLayout.OFFICIAL
+    return [n if isinstance(n, str) else n.name for n in source], BaseLayout.OFFICIAL  # names or TensorSpec-like rows
 
 
 def _implied_missing(names: set[str]) -> list[str]:
@@ -114,7 +127,7 @@ def coverage_report(
     With ``config`` (V4Config, transformers config or ``config.json`` dict; read from the dir's ``config.json``
     when given a dir), "missing" is exact: every name :func:`impl.conversion.mapping.expected_official_names` implies.
     """
-    names = _names_of(names_or_manifest)
+    names, stored = _names_of(names_or_manifest)
     present = set(names)
     if config is None and isinstance(names_or_manifest, str | Path):
         cfg_file = Path(names_or_manifest) / "config.json"
@@ -123,7 +136,7 @@ def coverage_report(
 
             config = json.loads(cfg_file.read_text())
     resolve = native_layout(layout).lookup_official
-    report = CoverageReport(layout=layout)
+    report = CoverageReport(layout=layout, base_layout=stored)
     for n in names:
         hit = resolve(n)
         if hit is not None:
@@ -142,4 +155,7 @@ def coverage_report(
         report.missing = [n for n in expected_official_names(config) if n not in present]
     else:
         report.missing = _implied_missing(present)
+    if stored is BaseLayout.TRANSFORMERS:  # transformers' model has no MTP: its absence is the layout, not a hole
+        report.absent_by_layout = [n for n in report.missing if n.startswith("mtp.")]
+        report.missing = [n for n in report.missing if not n.startswith("mtp.")]
     return report

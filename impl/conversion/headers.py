@@ -26,6 +26,7 @@ class Header:
     shape: tuple[int, ...]
     dtype: str
     span: tuple[int, int] = (0, 0)  # the tensor's bytes: absolute [start, end) offsets in ``file``
+    stored: str | None = None  # the name in ``file`` where it is not the official one (impl.conversion.layouts)
 
 
 def shard_files(ckpt_dir: Path) -> list[Path]:
@@ -77,7 +78,23 @@ def read_headers(ckpt_dir: Path) -> tuple[dict[str, Header], dict[str, list[str]
             seen.setdefault(name, []).append(f.name)
             headers[name] = header
     dups = {n: fs for n, fs in seen.items() if len(fs) > 1}
-    return headers, dups
+    return _official(headers), dups
+
+
+def _official(headers: dict[str, Header]) -> dict[str, Header]:
+    """Headers under official names: a base transformers saved is translated (names of no V4 tensor stay as they
+    are, for the strict load to name)."""
+    from dataclasses import replace
+
+    from impl.conversion.layouts import BaseLayout, detect_layout, translate
+
+    layout = detect_layout(headers)
+    if layout is None or layout is BaseLayout.OFFICIAL:
+        return headers
+    official, unknown = translate(headers, layout)
+    out = {name: replace(headers[stored], stored=stored) for name, stored in official.items()}
+    out.update({name: headers[name] for name in unknown})
+    return out
 
 
 def tensor_sha256(ckpt_dir: Path, header: Header) -> str:

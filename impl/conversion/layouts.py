@@ -1,0 +1,86 @@
+"""The on-disk layouts a DeepSeek-V4 base comes in, and the official name of every tensor of each.
+
+``official`` is the released checkpoint's naming (``embed.weight``, ``layers.N.attn.wq_a.weight``, ``mtp.K...``),
+the one :data:`impl.conversion.mapping_table` maps. ``transformers`` is what transformers' ``save_pretrained`` writes
+for a ``DeepseekV4ForCausalLM`` (every merged or re-saved model): its module names
+(``model.layers.N.self_attn.q_a_proj.weight``, ``model.layers.N.attn_hc.fn``), but ``head.weight`` and per-expert
+``model.layers.N.mlp.experts.E.w1.weight`` as the checkpoint had them, and no MTP (transformers' model has none).
+A name of that layout is read back through :func:`impl.adapter.kinds.place_module` (the one table of what every
+module of a V4 base is, in every naming) plus the parameter leaves below, so no second name table exists.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from enum import StrEnum
+
+from impl.adapter.kinds import place_module
+
+
+class BaseLayout(StrEnum):
+    OFFICIAL = "official"
+    TRANSFORMERS = "transformers"
+
+
+#: what each layout is, for messages
+DESCRIPTION = {
+    BaseLayout.OFFICIAL: "the official checkpoint naming (embed.weight, layers.N.attn.wq_a.weight, mtp.K...)",
+    BaseLayout.TRANSFORMERS: "transformers' save_pretrained naming (model.embed_tokens.weight, "
+    "model.layers.N.self_attn.q_a_proj.weight; no MTP)",
+}
+#: a name only this layout writes (the embedding: every V4 base has one)
+_MARKER = {BaseLayout.OFFICIAL: "embed.weight", BaseLayout.TRANSFORMERS: "model.embed_tokens.weight"}
+#: names save_pretrained writes as the checkpoint had them (its reverse renaming keeps them): template -> official
+_KEPT = (
+    (re.compile(r"head\.weight"), r"head.weight"),
+    (re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight"), r"layers.\1.ffn.experts.\2.\3.weight"),
+)
+#: transformers parameter leaf -> official leaf, where they differ (the router's correction bias)
+_LEAVES = {"e_score_correction_bias": "bias"}
+#: parameter leaves a module name is followed by in both layouts
+_PLAIN_LEAVES = ("weight", "bias", "tid2eid")
+
+
+def detect_layout(names: Iterable[str]) -> BaseLayout | None:
+    """The layout whose embedding name is present (None: neither, a base of no known layout)."""
+    present = set(names)
+    found = [layout for layout, marker in _MARKER.items() if marker in present]
+    return found[0] if len(found) == 1 else None
+
+
+def official_name(name: str, layout: BaseLayout) -> str | None:
+    """The official name of tensor ``name`` stored in ``layout``; None when it names nothing of a V4 base."""
+    if layout is BaseLayout.OFFICIAL:
+        return name
+    for pattern, official in _KEPT:
+        if pattern.fullmatch(name):
+            return pattern.sub(official, name)
+    module, _, leaf = name.rpartition(".")
+    if leaf in _PLAIN_LEAVES or leaf in _LEAVES:
+        place = _transformers_place(module)
+        return None if place is None else f"{place}.{_LEAVES.get(leaf, leaf)}"
+    return _transformers_place(name)  # a parameter that is a module of its own (attn_hc.fn, sinks, position_bias)
+
+
+def _transformers_place(path: str) -> str | None:
+    place = place_module(path) if path else None
+    if place is None or place.official is None or place.dialect != "transformers":
+        return None
+    return place.official
+
+
+def translate(names: Iterable[str], layout: BaseLayout) -> tuple[dict[str, str], list[str]]:
+    """(official name -> stored name, stored names that translate to nothing)."""
+    out: dict[str, str] = {}
+    unknown = []
+    for name in names:
+        official = official_name(name, layout)
+        if official is None:
+            unknown.append(name)
+        else:
+            out[official] = name
+    return out, unknown
+
+
+__all__ = ["DESCRIPTION", "BaseLayout", "detect_layout", "official_name", "translate"]
