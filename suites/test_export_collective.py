@@ -29,7 +29,11 @@ pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 #: The export protocol's phases, in order (the implementation's EXPORT_PHASES must name exactly these).
 PHASES = ("gather", "serialize", "write", "fsync", "validate", "publish", "marker", "commit")
 EXCHANGE_TIMEOUT_S = 10.0
-KILL_EXCHANGE_TIMEOUT_S = 1.0  # < multirank.GRACE_S: survivors must report before the runner stops them
+#: the exchange timeout of the kill tests: above what one phase's file I/O (an fsync) takes on a loaded 2-core host,
+#: where 1 s let an exchange before the killed phase time out first; KILL_GRACE_S, the time the runner gives the
+#: survivors after the kill, holds two of them
+KILL_EXCHANGE_TIMEOUT_S = 3.0
+KILL_GRACE_S = 2 * KILL_EXCHANGE_TIMEOUT_S
 SHAPES = attention_shapes(hidden=64, q_lora=48, heads=4, head_dim=32, o_groups=2, o_lora=16)
 
 
@@ -182,6 +186,7 @@ def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing
         nproc=world_size,
         timeout_s=60,
         expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),
+        grace_s=KILL_GRACE_S,
     )
     survivors = [r for r in results if r.rank != kill_rank]
     for r in survivors:
@@ -217,6 +222,7 @@ def test_a_rank_lost_after_the_commit_point_is_reported_and_the_committed_export
         nproc=world_size,
         timeout_s=60,
         expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),
+        grace_s=KILL_GRACE_S,
     )
     survivors = [r for r in results if r.rank != kill_rank]
     cleaner = 0 if kill_rank != 0 else 1  # the writer, or the survivor that recovers for a lost writer
