@@ -19,6 +19,7 @@ import torch
 
 from impl.adapter.dialects import DIALECTS, PEFT_PREFIX, Dialect, NativeAdapterName, official_base_name, parse_native
 from impl.adapter.fingerprint import METADATA_KEY
+from impl.adapter.raw import finite_bits as raw_finite_bits
 from impl.errors import ExportError, MultiLoRAUnsupportedError
 
 
@@ -307,25 +308,13 @@ def publish_in_memory(
 
 # ------------------------------------------------------------------------------------------------- finiteness
 
-#: NaN/Inf <=> every exponent bit set <=> the bits without the sign, read unsigned, >= the exponent mask.
-#: Per dtype: (signed and unsigned integer of its width, exponent mask).
-EXPONENT_MASKS: dict[torch.dtype, tuple[type, type, int]] = {
-    torch.bfloat16: (np.int16, np.uint16, 0x7F80),
-    torch.float16: (np.int16, np.uint16, 0x7C00),
-    torch.float32: (np.int32, np.uint32, 0x7F800000),
-}
+#: Per torch dtype: its safetensors code in :data:`impl.adapter.raw.EXPONENT_BITS` (the one table of exponent masks).
+EXPONENT_MASKS: dict[torch.dtype, str] = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
 def finite_bits(raw: np.ndarray, dtype: torch.dtype) -> bool:
-    """No NaN/Inf among the bytes ``raw`` of a ``dtype`` in :data:`EXPONENT_MASKS` (whole elements).
-
-    Two reductions that only read: read signed, a positive NaN/Inf is the largest value (>= the mask); read
-    unsigned, a negative one is (>= sign bit | mask). No temporary the size of the tensor, unlike masking first."""
-    signed, unsigned, mask = EXPONENT_MASKS[dtype]
-    if raw.size == 0:
-        return True
-    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
-    return int(raw.view(signed).max()) < mask and int(raw.view(unsigned).max()) < (sign | mask)
+    """No NaN/Inf among the bytes ``raw`` of a ``dtype`` in :data:`EXPONENT_MASKS` (whole elements)."""
+    return raw_finite_bits(raw, EXPONENT_MASKS[dtype])
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -18,37 +18,22 @@ import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from impl.adapter.dialects import DIALECTS
+from impl.adapter.raw import DTYPE_NAMES
 from impl.conversion.headers import Header, read_file_header, shard_files, tensor_sha256
 from impl.errors import Dsv4Error
 from impl.lora.vocabulary import TARGET_TABLE
+
+if TYPE_CHECKING:
+    import torch
 
 FINGERPRINT_VERSION = 1
 METADATA_KEY = "dsv4_base_fingerprint"
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
 #: safetensors dtype -> the torch dtype name a record carries (what a loaded tensor's dtype prints as)
-TORCH_DTYPE_NAMES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-}
+TORCH_DTYPE_NAMES = DTYPE_NAMES
 
 
 class FingerprintMismatchError(Dsv4Error, ValueError):
@@ -67,6 +52,8 @@ def config_sha256(config: Mapping[str, Any] | None) -> str | None:
 
 def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
     """Shape, dtype and sha256 of the raw bytes of one tensor."""
+    import torch
+
     t = tensor.detach().to("cpu").contiguous()
     raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
     return {
@@ -172,11 +159,9 @@ def base_fingerprint(
 
 def read_adapter_fingerprint(adapter_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The fingerprint recorded in an exported adapter (None when it was exported without one)."""
-    from safetensors import safe_open
+    from impl.adapter.raw import read_metadata
 
-    with safe_open(str(Path(adapter_dir) / "adapter_model.safetensors"), framework="pt") as f:
-        meta = f.metadata() or {}
-    raw = meta.get(METADATA_KEY)
+    raw = read_metadata(Path(adapter_dir) / "adapter_model.safetensors").get(METADATA_KEY)
     return json.loads(raw) if raw else None
 
 

@@ -28,17 +28,18 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-
-from impl.adapter.build import all_finite
 from impl.adapter.dialects import DIALECTS, PEFT_PREFIX, Dialect
 from impl.adapter.files import ADAPTER_FILE, COMPLETE_MARKER, CONFIG_FILE, file_sha256
 from impl.adapter.fingerprint import FingerprintMismatchError, read_adapter_fingerprint, verify_fingerprint
 from impl.adapter.kinds import ModuleKind, place_module
+from impl.adapter.raw import RawTensor, all_finite, read_safetensors
 from impl.errors import ExportError
 from impl.lora.vocabulary import TARGET_TABLE
+
+if TYPE_CHECKING:
+    import torch
 
 
 class AdapterValidationError(ExportError):
@@ -46,8 +47,8 @@ class AdapterValidationError(ExportError):
 
 
 #: what PEFT loads a LoRA weight as (FP8 / integer tensors are not adapters)
-LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_LORA_DTYPE_NAMES = ", ".join(str(d).removeprefix("torch.") for d in LORA_DTYPES)
+LORA_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_LORA_DTYPE_NAMES = ", ".join(LORA_DTYPES)
 _TENSOR_RE = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight")
 _MAIN_RE = re.compile(r"(?:layers\.[0-9]+|mtp\.[0-9]+)\.attn\.([a-z_0-9]+)\.weight")
 _LAYER_PREFIX = re.compile(r"^(?:layers|mtp)\.[0-9]+\.(?:attn\.|ffn\.)?")
@@ -91,24 +92,21 @@ class AdapterDir:
         return json.loads(self.config_file.read_text())
 
     @cached_property
-    def _safetensors(self) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-        from safetensors import safe_open
-
-        with safe_open(str(self.tensor_file), framework="pt") as f:
-            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    def _safetensors(self) -> tuple[dict[str, str], dict[str, RawTensor]]:
+        return read_safetensors(self.tensor_file)  # no torch: the checks read bytes, shapes and dtypes
 
     @property
     def metadata(self) -> dict[str, str]:
         return self._safetensors[0]
 
     @property
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, RawTensor]:
         return self._safetensors[1]
 
     @cached_property
-    def modules(self) -> dict[str, dict[str, torch.Tensor]]:
-        """PEFT module path -> {"lora_A": tensor, "lora_B": tensor} (the halves present)."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
+    def modules(self) -> dict[str, dict[str, RawTensor]]:
+        """PEFT module path -> {"lora_A": tensor, "lora_B": tensor} (the halves present; ``.torch()`` for arithmetic)."""
+        out: dict[str, dict[str, RawTensor]] = {}
         for key, t in self.tensors.items():
             m = _TENSOR_RE.fullmatch(key)
             if m is not None:

@@ -160,7 +160,7 @@ def _source_state(src: Path):
                 "main-attention targets are exportable (drop it, or use the adapter with PEFT as it is)"
             )
         for half, key in (("A", "lora_A"), ("B", "lora_B")):
-            tensors[native_name(ref.layer, ref.row, half)] = halves[key]
+            tensors[native_name(ref.layer, ref.row, half)] = halves[key].torch()
     cfg = view.config
     # the native state scales by alpha/r: an rsLoRA adapter's alpha/sqrt(r) is carried as the equivalent alpha
     alpha = lora_scale(cfg) * cfg["r"] if cfg.get("use_rslora") else cfg["lora_alpha"]

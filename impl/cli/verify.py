@@ -150,7 +150,7 @@ def _forward_check(base: Path, adapter: Path, modules, scale: float, res: Verify
     with torch.no_grad():
         for module, h in modules.items():
             weight = manual.get_submodule(module).weight
-            weight += scale * (h["lora_B"].float() @ h["lora_A"].float()).to(weight.dtype)
+            weight += scale * (h["lora_B"].torch().float() @ h["lora_A"].torch().float()).to(weight.dtype)
         want = manual(ids).logits
         plain = _load_transformers(base)[0](ids).logits
         merged = load_peft_adapter(_load_transformers(base)[0], adapter, merge=True)(ids).logits
