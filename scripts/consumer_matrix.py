@@ -21,11 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fixtures.consumers import (  # noqa: E402  (the repository root goes on the path first)
+    CONSUMER_MATRIX,
     ConsumerEnvMissing,
     probe_all,
-    readme_section,
     render_matrix,
-    with_readme_section,
 )
 from fixtures.impl_loader import load_impl, resolve_impl_name  # noqa: E402
 
@@ -50,22 +49,7 @@ def main() -> int:
     table = render_matrix(all_cells, cases, notes, numeric)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1, sort_keys=True))
-    readme_path = ROOT / "README.md"
-    readme = readme_path.read_text()
-    if readme_section(readme) is None:
-        print("consumer_matrix: README.md has no consumer-matrix markers", file=sys.stderr)
-        return 2
-    if args.write:
-        readme_path.write_text(with_readme_section(readme, table))
-        print(f"consumer_matrix: wrote {readme_path}")
-    elif args.check:
-        if readme_section(readme) != table:
-            print("consumer_matrix: README.md's consumer matrix is stale; run scripts/consumer_matrix.py --write")
-            return 1
-        print("consumer_matrix: README.md is current")
-    else:
-        print(table, end="")
-    return 0
+    return CONSUMER_MATRIX.apply(table, write=args.write, check=args.check)
 
 
 if __name__ == "__main__":

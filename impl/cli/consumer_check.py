@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from impl.adapter.consumers import CONSUMER_CHOICES, MTP, ConsumerVerdict, consumer_choice, consumer_verdict
+from impl.adapter.consumers import (
+    CONSUMER_CHOICES,
+    MTP,
+    WHOLE_ADAPTER,
+    ConsumerVerdict,
+    consumer_choice,
+    consumer_verdict,
+)
 from impl.adapter.dialects import PEFT_PREFIX, resolve_module
 from impl.adapter.kinds import place_module
 from impl.cli import output
@@ -41,14 +48,14 @@ class AdapterTargets:
 
 def adapter_targets(adapter: str | Path) -> AdapterTargets:
     """Dialect and targets (official leaves, or ``mtp``) of the adapter in ``adapter``, from its header only."""
-    from safetensors import safe_open
+    from impl.adapter.raw import read_metadata
+    from impl.conversion.headers import read_file_header
 
     file = Path(adapter) / "adapter_model.safetensors"
     if not file.is_file():
         return AdapterTargets(None, problems=[f"{file}: missing (not a PEFT adapter directory)"])
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            names, metadata = list(f.keys()), f.metadata() or {}
+    try:  # headers only, no torch
+        names, metadata = [name for name, _ in read_file_header(file)], read_metadata(file)
     except Exception as exc:  # a truncated or foreign file: a problem line, not a traceback
         return AdapterTargets(None, problems=[f"{file}: not readable as safetensors ({type(exc).__name__}: {exc})"])
     found = AdapterTargets(metadata.get("dsv4_dialect"))
@@ -85,7 +92,8 @@ def consumer_problems(adapter: str | Path, consumer: str, version: str | None = 
     except Dsv4Error as exc:
         return "no rules", [f"{type(exc).__name__}: {exc}"]
     problems = found.problems + verdict.problems()
-    applied = len(found.targets) - len({r.target for r in verdict.not_applied})
+    missed = {r.target for r in verdict.not_applied}
+    applied = 0 if WHOLE_ADAPTER in missed else len(found.targets - missed)  # a refused adapter applies nothing
     figure = f"{verdict.consumer} {verdict.version}, {found.dialect} dialect: {applied}/{len(found.targets)} target(s) applied"
     return figure, problems
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env python
+"""Print the producer matrix: producer x version x target spec, what verify-adapter finds in the adapter the
+producer's own code makes, and what each consumer would apply (fixtures/producers.py).
+
+    .venv/bin/python scripts/producer_matrix.py            # print the markdown table
+    .venv/bin/python scripts/producer_matrix.py --write    # put it into docs/producers.md between the markers
+    .venv/bin/python scripts/producer_matrix.py --check    # exit 1 when docs/producers.md's table differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fixtures.impl_loader import resolve_impl_name  # noqa: E402  (the repository root goes on the path first)
+from fixtures.producers import PEFT_SPECS, PRODUCER_MATRIX, matrix_rows, peft_model, render_matrix  # noqa: E402
+from tiny_models.checkpoint import write_checkpoint  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="replace docs/producers.md's generated section")
+    mode.add_argument("--check", action="store_true", help="exit 1 if docs/producers.md's generated section differs")
+    parser.add_argument("--impl", default=None, help="implementation module (default: impl or $DSV4_IMPL)")
+    args = parser.parse_args()
+    with contextlib.redirect_stdout(sys.stderr), tempfile.TemporaryDirectory(prefix="producer-matrix-") as tmp:
+        base = write_checkpoint("tiny-mixed", Path(tmp) / "base")
+        adapters = {}
+        for name, spec in PEFT_SPECS.items():
+            peft_model(base, spec).save_pretrained(str(Path(tmp) / name))
+            adapters[name] = Path(tmp) / name
+        table = render_matrix(matrix_rows(resolve_impl_name(args.impl), base, adapters))
+    return PRODUCER_MATRIX.apply(table, write=args.write, check=args.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
