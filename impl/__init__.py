@@ -228,6 +228,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "TargetTable",
     ),
     "impl.cli.main": ("build_parser",),
+    "impl.cli.tested": ("LANES", "untested_line", "untested_versions"),
     "impl.cli.verify": (
         "VerifyResult",
         "verify_adapter",

@@ -88,6 +88,7 @@ def check_qualify_usage(args: argparse.Namespace) -> None:
 
 def cmd_qualify(args: argparse.Namespace) -> int:
     from impl.cli.qualify import DefaultBase, QualifyOptions, run_qualify, versions
+    from impl.cli.tested import untested_line, untested_versions
 
     targets, nproc = args.target_list, args.ranks
     out = _output_dir(args.out)
@@ -131,11 +132,16 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         [("check", "result", "figure")] + [(c.name, _status(c.passed, c.inconclusive), c.figure) for c in checks]
     )
     ok = bool(checks) and all(c.passed is not False for c in checks)
+    installed = versions()
+    untested = untested_line(installed)
+    if untested:  # not an error: the figures were only ever measured on the lanes' versions
+        print(untested)
     report = {
         "ok": ok,
         "wall_s": round(wall, 2),
         "options": {**opts.__dict__, "targets": list(targets), "nproc": nproc},
-        "versions": versions(),
+        "versions": installed,
+        "untested_versions": untested_versions(installed),
         "checks": [c.__dict__ for c in checks],
         "adapter": str(out / "adapter"),
     }

@@ -1,0 +1,64 @@
+"""What CI tests is said, per lane, and a run on anything else is told so in one line.
+
+The lanes' versions are read here from the files that make the environments (``requirements/base.txt``,
+``scripts/install.sh``'s Megatron-Bridge pin, the pins ``.ci/run`` runs with ``scripts/pin_overlay.sh``'s core for
+each, ``requirements/device-image.txt``), not from the implementation; the implementation's table and the README's
+version table must both say the same.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("torch", "megatron-core", "megatron-bridge", "transformers", "peft", "safetensors")
+
+
+def _requirements(name: str) -> dict[str, str]:
+    text = (ROOT / "requirements" / name).read_text()
+    found = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", text, flags=re.M))
+    return {p: found[p] for p in PACKAGES if p in found}
+
+
+def _lanes_from_files() -> dict[str, dict[str, str]]:
+    main = _requirements("base.txt")
+    main["megatron-bridge"] = re.search(r"BRIDGE_PIN:-([0-9.]+)", (ROOT / "scripts/install.sh").read_text())[1]
+    overlay = (ROOT / "scripts/pin_overlay.sh").read_text()
+    cores = re.findall(r"^\s+([0-9.*]+)\) echo ([0-9.]+) ;;$", overlay, flags=re.M)
+    default_core = re.search(r"^\s+\*\) echo ([0-9.]+) ;;$", overlay, flags=re.M)[1]
+    lanes = {"main": main}
+    for pin in dict.fromkeys(re.findall(r"run scripts/run_pin.sh ([0-9.]+) ", (ROOT / ".ci/run").read_text())):
+        core = next(
+            (c for pattern, c in cores if re.fullmatch(pattern.replace(".", r"\.").replace("*", ".*"), pin)), None
+        )
+        major, minor = pin.split(".")[:2]
+        lanes[f"bridge{major}{minor}"] = {**main, "megatron-bridge": pin, "megatron-core": core or default_core}
+    lanes["device-image"] = _requirements("device-image.txt")
+    return lanes
+
+
+def test_the_lanes_are_the_environments_ci_builds(impl):
+    want = _lanes_from_files()
+    assert set(want) >= {"main", "bridge05", "bridge04", "device-image"}, sorted(want)
+    assert impl.LANES == want, f"{impl.name}.LANES differs from what CI installs:\n{impl.LANES}\n{want}"
+
+
+def test_the_readme_version_table_lists_each_lane(impl):
+    readme = (ROOT / "README.md").read_text()
+    for lane, versions in _lanes_from_files().items():
+        row = f"| {lane} | " + " | ".join(versions.get(p, "-") for p in PACKAGES) + " |"
+        assert row in readme, f"README.md's version table lacks the row {row}"
+
+
+def test_an_untested_version_is_one_line_naming_it_and_what_ci_ran(impl):
+    main = _lanes_from_files()["main"]
+    assert impl.untested_line(main) is None, "the main lane's own versions reported untested"
+    line = impl.untested_line({**main, "transformers": "5.23.0", "torch": "2.15.0"})
+    assert line is not None and "\n" not in line, line
+    assert "transformers 5.23.0 (CI ran " in line and main["transformers"] in line, line
+    assert "torch 2.15.0" in line and "megatron" not in line, line
