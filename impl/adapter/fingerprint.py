@@ -46,8 +46,24 @@ def config_sha256(config: Mapping[str, Any] | None) -> str | None:
         return None
     if hasattr(config, "to_dict"):
         config = config.to_dict()
-    clean = {k: v for k, v in dict(config).items() if k not in _VOLATILE_CONFIG_KEYS}
+    clean = _expert_dtype_on_top({k: v for k, v in dict(config).items() if k not in _VOLATILE_CONFIG_KEYS})
     return hashlib.sha256(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _expert_dtype_on_top(config: dict[str, Any]) -> dict[str, Any]:
+    """``expert_dtype`` read from either place: the released config has it at the top, transformers >= 5.23's
+    ``DeepseekV4Config.__post_init__`` moves it into ``quantization_config``, so a re-save moves it there."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or "expert_dtype" not in quant:
+        return config
+    if config.setdefault("expert_dtype", quant["expert_dtype"]) != quant["expert_dtype"]:
+        return config  # two different values: a different config, hashed as it is
+    rest = {k: v for k, v in quant.items() if k != "expert_dtype"}
+    if rest:
+        config["quantization_config"] = rest
+    else:
+        config.pop("quantization_config")
+    return config
 
 
 def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
