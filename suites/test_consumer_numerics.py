@@ -21,13 +21,11 @@ must change). Stand-ins: only where a kernel cannot run on a CPU host, named in
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from fixtures.asserts import assert_effect_exceeds
-from fixtures.consumers import ConsumerEnvMissing, consumer_python
 from fixtures.consumers import numerics as nm
+from fixtures.consumers import require_consumer_env
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("consumers")]
 
@@ -38,12 +36,7 @@ FRACTION_SLACK = 0.05
 
 @pytest.fixture(scope="module")
 def measured(impl, tmp_path_factory) -> nm.Numerics:
-    try:
-        consumer_python("vllm")
-    except ConsumerEnvMissing as exc:
-        if os.environ.get("DSV4_REQUIRE_CONSUMERS") == "1":
-            pytest.fail(f"{exc} (DSV4_REQUIRE_CONSUMERS=1)")
-        pytest.skip(str(exc))
+    require_consumer_env("vllm")
     return nm.measured_once(impl, tmp_path_factory)
 
 

@@ -70,3 +70,46 @@ def test_a_refused_state_publishes_nothing_and_the_previous_version_stays(impl):
     assert name in str(err.value), f"the error does not name the tensor {name}: {err.value}"
     assert publisher.version == 1 and publisher.current is first, "a refused state changed the current version"
     assert all(torch.isfinite(t).all() for t in first.tensors.values()), "the published version saw the NaN"
+
+
+@pytest.mark.xdist_group("consumers")
+def test_vllm_loads_every_version_from_its_tensors(impl, tmp_path):
+    """vLLM 0.33's own in-memory entry point (``LoRAModel.from_lora_tensors``, with the V4 model's weights mapper
+    and skip prefixes; ``fixtures/consumers/probe_vllm_tensors.py`` in the vLLM environment) builds every module of
+    every version, holding exactly the published bytes and scaling alpha/r."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from fixtures.consumers import HERE, require_consumer_env, run_probe_script
+
+    require_consumer_env("vllm")
+    live = make_native_adapter(SHAPES, LAYERS, R, seed=6)
+    publisher, plan, sums = impl.AdapterPublisher(dialect="official"), [], {}
+    for k in range(3):
+        pub = publisher.publish(impl.AdapterState(live, r=R, alpha=ALPHA))
+        save_file(pub.tensors, str(tmp_path / f"v{pub.version}.safetensors"))
+        sums[pub.version] = pub.expected_checksums
+        plan.append(
+            {"version": pub.version, "tensors": str(tmp_path / f"v{pub.version}.safetensors"), "config": pub.config}
+        )
+        _step(live, k)
+    (tmp_path / "plan.json").write_text(json.dumps({"versions": plan}))
+    run_probe_script(
+        "vllm",
+        HERE / "probe_vllm_tensors.py",
+        ["--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "r.json")],
+        timeout_s=300,
+    )
+    got = json.loads((tmp_path / "r.json").read_text())["versions"]
+    assert sorted(got, key=int) == [str(e["version"]) for e in plan], sorted(got)
+    for entry in plan:
+        modules = got[str(entry["version"])]["modules"]
+        assert len(modules) == LAYERS * len(SHAPES), f"version {entry['version']}: vLLM built {sorted(modules)}"
+        for module, held in modules.items():
+            stem = "base_model.model." + module.removeprefix("model.")
+            for half, key in (("lora_A", "lora_a"), ("lora_B", "lora_b")):
+                assert held[key] == sums[entry["version"]][f"{stem}.{half}.weight"], (
+                    f"v{entry['version']} {module}.{half}"
+                )
+            assert held["scaling"] == ALPHA / R, f"{module}: scaling {held['scaling']}"
