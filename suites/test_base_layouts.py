@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from fixtures.subproc import run
 from tiny_models.checkpoint import load_oracle, write_checkpoint
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 peft = pytest.importorskip("peft")
 
