@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from impl.conversion.detect import V4_ARCHITECTURE, is_deepseek_v4_config, is_deepseek_v41_config, v41_problem
-from impl.conversion.layouts import DESCRIPTION, BaseLayout, detect_layout, translate
+from impl.conversion.layouts import DESCRIPTION, BaseLayout, read_as_official
 from impl.errors import (
     ConfigFileError,
     CorruptCheckpointError,
@@ -217,11 +217,10 @@ def _header(base: BaseDir, shard: str) -> Iterator[Problem]:
 
 def _layout(base: BaseDir) -> Iterator[Problem]:
     """A base saved by transformers is read under official names; a name of neither layout is left as it is."""
-    layout = detect_layout(base.headers)
-    if layout is None or layout is BaseLayout.OFFICIAL:
+    layout, official, unknown = read_as_official(base.headers)
+    if layout is BaseLayout.OFFICIAL:
         return
     base.layout = layout
-    official, unknown = translate(base.headers, layout)
     if unknown:
         yield Problem(
             CorruptCheckpointError,

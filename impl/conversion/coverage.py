@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from impl.conversion.headers import read_file_header
-from impl.conversion.layouts import DESCRIPTION, BaseLayout, detect_layout, translate
+from impl.conversion.layouts import DESCRIPTION, BaseLayout, read_as_official
 from impl.conversion.mapping import (
     expected_official_names,
     fill,
@@ -85,11 +85,8 @@ def _names_of(source: Any) -> tuple[list[str], BaseLayout]:
     """The official names of ``source``'s tensors and the layout they were stored in."""
     if isinstance(source, str | Path):  # headers only (CorruptCheckpointError names a bad file)
         names = [name for f in sorted(Path(source).glob("*.safetensors")) for name, _ in read_file_header(f)]
-        layout = detect_layout(names) or BaseLayout.OFFICIAL
-        if layout is BaseLayout.OFFICIAL:
-            return names, layout
-        official, unknown = translate(names, layout)
-        return [*official, *unknown], layout
+        layout, official, unknown = read_as_official(names)
+        return (names if layout is BaseLayout.OFFICIAL else [*official, *unknown]), layout  # a name twice stays so
     if isinstance(source, Mapping):
         return list(source), BaseLayout.OFFICIAL
     return [n if isinstance(n, str) else n.name for n in source], BaseLayout.OFFICIAL  # names or TensorSpec-like rows

@@ -86,12 +86,11 @@ def _official(headers: dict[str, Header]) -> dict[str, Header]:
     are, for the strict load to name)."""
     from dataclasses import replace
 
-    from impl.conversion.layouts import BaseLayout, detect_layout, translate
+    from impl.conversion.layouts import BaseLayout, read_as_official
 
-    layout = detect_layout(headers)
-    if layout is None or layout is BaseLayout.OFFICIAL:
+    layout, official, unknown = read_as_official(headers)
+    if layout is BaseLayout.OFFICIAL:
         return headers
-    official, unknown = translate(headers, layout)
     out = {name: replace(headers[stored], stored=stored) for name, stored in official.items()}
     out.update({name: headers[name] for name in unknown})
     return out

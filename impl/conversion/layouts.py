@@ -70,6 +70,16 @@ def _transformers_place(path: str) -> str | None:
     return place.official
 
 
+def read_as_official(names: Iterable[str]) -> tuple[BaseLayout, dict[str, str], list[str]]:
+    """(the layout found, official name -> stored name, stored names of no V4 tensor) for a base's tensor names;
+    names of no known layout are taken as official (what the official checks then judge)."""
+    names = list(names)
+    layout = detect_layout(names) or BaseLayout.OFFICIAL
+    if layout is BaseLayout.OFFICIAL:
+        return layout, {n: n for n in names}, []
+    return (layout, *translate(names, layout))
+
+
 def translate(names: Iterable[str], layout: BaseLayout) -> tuple[dict[str, str], list[str]]:
     """(official name -> stored name, stored names that translate to nothing)."""
     out: dict[str, str] = {}
@@ -83,4 +93,4 @@ def translate(names: Iterable[str], layout: BaseLayout) -> tuple[dict[str, str],
     return out, unknown
 
 
-__all__ = ["DESCRIPTION", "BaseLayout", "detect_layout", "official_name", "translate"]
+__all__ = ["DESCRIPTION", "BaseLayout", "detect_layout", "official_name", "read_as_official", "translate"]
