@@ -26,6 +26,20 @@ pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 peft = pytest.importorskip("peft")
 
 MAIN_ATTENTION = r"model\.layers\.\d+\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)"
+#: the namings transformers' save_pretrained writes, each told by a name only it has: (that name, the layout the
+#: commands must name, a tensor of no V4 module in that naming)
+WRITERS = {
+    "module names (transformers 5.12-5.23)": (
+        "model.layers.0.self_attn.q_a_proj.weight",
+        "transformers",
+        "model.layers.0.self_attn.mystery_proj.weight",
+    ),
+    "the checkpoint's names under model. (transformers 5.23, 5.24)": (
+        "model.layers.0.attn.wq_a.weight",
+        "transformers-checkpoint",
+        "model.layers.0.attn.mystery_proj.weight",
+    ),
+}
 
 
 def _shapes(folder: Path) -> dict[str, list[int]]:
@@ -46,6 +60,15 @@ def bases(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
+def writer(bases) -> tuple[str, str, str]:
+    """The WRITERS row of the naming this transformers wrote."""
+    names = set(_shapes(bases[1]))
+    found = [row for row in WRITERS.values() if row[0] in names]
+    assert len(found) == 1, f"transformers wrote a naming this suite does not know: {sorted(names)[:12]}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
 def dsv4(impl):
     def run_cli(*args, timeout: float = 300):
         result = run([sys.executable, "-m", f"{impl.name}.cli", *map(str, args)], timeout=timeout)
@@ -55,20 +78,20 @@ def dsv4(impl):
     return run_cli
 
 
-def test_the_saved_base_is_in_a_naming_of_its_own(bases):
+def test_the_saved_base_is_in_a_naming_of_its_own(bases, writer):
     """The premise, from transformers' own files: none of the official names, and no MTP."""
     official, saved = bases
     names = set(_shapes(saved))
-    assert "model.embed_tokens.weight" in names and "model.layers.0.self_attn.q_a_proj.weight" in names
+    assert "model.embed_tokens.weight" in names and writer[0] in names
     assert not names & set(_shapes(official)) - {"head.weight"}, sorted(names & set(_shapes(official)))
     assert not any(".mtp" in n or n.startswith("mtp.") for n in names)
 
 
-def test_a_saved_base_reads_as_the_official_tensors_less_mtp_with_the_same_shapes(impl, bases):
+def test_a_saved_base_reads_as_the_official_tensors_less_mtp_with_the_same_shapes(impl, bases, writer):
     official, saved = bases
     read = impl.inspect_base(saved)
     assert read.ok, [p.message for p in read.problems]
-    assert str(read.layout) == "transformers", read.layout
+    assert str(read.layout) == writer[1], read.layout
     want = {n: s for n, s in _shapes(official).items() if not n.startswith("mtp.")}
     got = {n: list(h.shape) for n, h in read.headers.items()}
     assert sorted(set(want) ^ set(got)) == [], f"official names read differently: {sorted(set(want) ^ set(got))[:10]}"
@@ -85,7 +108,7 @@ def test_coverage_maps_every_tensor_of_a_saved_base_and_states_mtp_absent(dsv4, 
     assert "MTP absent: 41 tensor(s)" in result.stdout and "save_pretrained naming" in result.stdout
 
 
-def test_verify_adapter_judges_a_stock_peft_adapter_on_a_saved_base(dsv4, bases, tmp_path):
+def test_verify_adapter_judges_a_stock_peft_adapter_on_a_saved_base(dsv4, bases, writer, tmp_path):
     model = peft.get_peft_model(
         load_oracle(bases[1]), peft.LoraConfig(r=4, lora_alpha=8, target_modules=MAIN_ATTENTION)
     )
@@ -96,27 +119,25 @@ def test_verify_adapter_judges_a_stock_peft_adapter_on_a_saved_base(dsv4, bases,
     model.save_pretrained(str(tmp_path / "adapter"))
     result = dsv4("verify-adapter", "--base", bases[1], "--adapter", tmp_path / "adapter")
     assert result.returncode == 0 and "problem:" not in result.stdout, result.stdout[-3000:]
-    assert "transformers layout (written by save_pretrained; no MTP)" in result.stdout, result.stdout[-3000:]
+    assert f"{writer[1]} layout (written by save_pretrained; no MTP)" in result.stdout, result.stdout[-3000:]
     assert "UNCERTIFIED" in result.stdout, result.stdout[-3000:]
 
 
-def test_qualify_trains_exports_and_reloads_on_a_saved_base(dsv4, bases, tmp_path):
+def test_qualify_trains_exports_and_reloads_on_a_saved_base(dsv4, bases, writer, tmp_path):
     result = dsv4("qualify", "--base", bases[1], "--out", tmp_path / "q", timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
-    assert "transformers layout (save_pretrained), no MTP" in result.stdout, result.stdout[-3000:]
+    assert f"{writer[1]} layout (save_pretrained), no MTP" in result.stdout, result.stdout[-3000:]
     assert "strict_load  PASS    loaded 162" in result.stdout, result.stdout[-3000:]
 
 
-def test_a_tensor_of_no_v4_module_in_a_saved_base_is_named(dsv4, bases, tmp_path):
+def test_a_tensor_of_no_v4_module_in_a_saved_base_is_named(dsv4, bases, writer, tmp_path):
     saved = tmp_path / "saved"
     saved.mkdir()
     for file in bases[1].iterdir():
         (saved / file.name).write_bytes(file.read_bytes())
     tensors = load_file(str(saved / "model.safetensors"))
-    tensors["model.layers.0.self_attn.mystery_proj.weight"] = torch.zeros(2, 2)
+    tensors[writer[2]] = torch.zeros(2, 2)
     save_file(tensors, str(saved / "model.safetensors"), metadata={"format": "pt"})
     result = dsv4("coverage", "--base", saved)
     assert result.returncode == 1, result.stdout[-3000:]
-    assert "1 tensor(s) stand for nothing of a DeepSeek-V4 base: model.layers.0.self_attn.mystery_proj.weight" in (
-        result.stdout
-    ), result.stdout[-3000:]
+    assert f"1 tensor(s) stand for nothing of a DeepSeek-V4 base: {writer[2]}" in result.stdout, result.stdout[-3000:]

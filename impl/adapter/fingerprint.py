@@ -107,24 +107,30 @@ def _with_companions(names: Iterable[str], available: set[str] | Mapping[str, An
     return out
 
 
-def _dir_sources(path: Path) -> dict[str, str]:
-    """Each tensor name -> the shard file holding it, from the index (or, without one, every shard's header)."""
+def _dir_sources(path: Path) -> dict[str, tuple[str, str]]:
+    """Each tensor's official name -> (its stored name, the shard file holding it), from the index (or, without
+    one, every shard's header); a base in another writer's naming is read as official (``read_as_official``)."""
+    from impl.conversion.layouts import read_as_official
+
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    return {name: h.file for f in shard_files(path) for name, h in read_file_header(f)}
+        stored = dict(json.loads(index.read_text())["weight_map"])
+    else:
+        stored = {name: h.file for f in shard_files(path) for name, h in read_file_header(f)}
+    _, official, _ = read_as_official(stored)
+    return {o: (s, stored[s]) for o, s in official.items()}
 
 
-def _dir_records(path: Path, wanted: list[str], where: dict[str, str]) -> dict[str, Any]:
+def _dir_records(path: Path, wanted: list[str], where: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Records of ``wanted`` from their shards' headers, each tensor's bytes streamed (never loaded)."""
     by_shard: dict[str, list[str]] = {}
     for n in wanted:
-        by_shard.setdefault(where[_lookup(where, n)], []).append(n)
+        by_shard.setdefault(where[n][1], []).append(n)
     found: dict[str, Header] = {}
     for shard, shard_names in sorted(by_shard.items()):
         headers = dict(read_file_header(path / shard))
         for n in shard_names:
-            h = headers.get(_lookup(where, n))
+            h = headers.get(where[n][0])
             if h is None:
                 raise FingerprintMismatchError(f"{path / shard}: has no tensor {n} although the index says it does")
             found[n] = h
@@ -162,7 +168,7 @@ def base_fingerprint(
 
     path = Path(base)
     where = _dir_sources(path)
-    missing = [n for n in names if _lookup(where, n) is None]
+    missing = [n for n in names if n not in where]
     if missing:
         raise FingerprintMismatchError(f"base checkpoint {path} has no tensor for {missing}; is it the right base?")
     wanted = _with_companions(names, where)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from impl.conversion.headers import read_file_header
-from impl.conversion.layouts import DESCRIPTION, BaseLayout, read_as_official
+from impl.conversion.layouts import DESCRIPTION, SAVED_BY_TRANSFORMERS, BaseLayout, read_as_official
 from impl.conversion.mapping import (
     expected_official_names,
     fill,
@@ -152,7 +152,7 @@ def coverage_report(
         report.missing = [n for n in expected_official_names(config) if n not in present]
     else:
         report.missing = _implied_missing(present)
-    if stored is BaseLayout.TRANSFORMERS:  # transformers' model has no MTP: its absence is the layout, not a hole
+    if stored in SAVED_BY_TRANSFORMERS:  # transformers' model has no MTP: its absence is the layout, not a hole
         report.absent_by_layout = [n for n in report.missing if n.startswith("mtp.")]
         report.missing = [n for n in report.missing if not n.startswith("mtp.")]
     return report
