@@ -26,6 +26,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "impl.compat": (
         "CompatReport",
         "TransformerEngineImportError",
+        "BridgeImportError",
         "TransformerEngineStubError",
     ),
     "impl.conversion.coverage": (

@@ -30,11 +30,21 @@ from impl.compat import cpu, mla, te_stub
 from impl.compat.te_stub import TransformerEngineStubError
 from impl.errors import Dsv4Error
 
-__all__ = ["CompatReport", "TransformerEngineImportError", "TransformerEngineStubError", "install"]
+__all__ = [
+    "BridgeImportError",
+    "CompatReport",
+    "TransformerEngineImportError",
+    "TransformerEngineStubError",
+    "install",
+]
 
 
 class TransformerEngineImportError(Dsv4Error, ImportError):
     """``transformer_engine`` is installed but fails to import (the cause is chained and named)."""
+
+
+class BridgeImportError(Dsv4Error, ImportError):
+    """Megatron-Bridge is installed but cannot import against this transformers (a module it imports is gone)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ def install() -> CompatReport:
     if stub:
         # megatron.bridge.peft.utils probes TE with isinstance(); placeholders are not TE types. (Bridge 0.6.2
         # itself imports megatron.training; without it Bridge fails on its own import, naming that module.)
-        peft_utils = _import_optional("megatron.bridge.peft.utils")
+        peft_utils = _import_bridge("megatron.bridge.peft.utils")
         if peft_utils is not None:
             peft_utils.HAVE_TE = False
     _REPORT = CompatReport(te_stub=stub, cpu_shims=shims, mla_fix=fix)
@@ -88,6 +98,24 @@ def _import_optional(name: str) -> Any:
         if missing == _OPTIONAL or missing.startswith(_OPTIONAL + ".") or _OPTIONAL.startswith(missing + "."):
             return None
         raise
+
+
+def _import_bridge(name: str) -> Any:
+    """:func:`_import_optional` for a Megatron-Bridge module; a transformers module it needs that this
+    transformers lacks is a :class:`BridgeImportError` saying which versions meet."""
+    try:
+        return _import_optional(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if not missing.startswith("transformers."):
+            raise
+        from importlib.metadata import version
+
+        raise BridgeImportError(
+            f"megatron-bridge {version('megatron-bridge')} does not import under transformers "
+            f"{version('transformers')} (it imports {missing}, which this transformers lacks); install a "
+            "transformers CI ran it with (README's version table)"
+        ) from exc
 
 
 def _require_real_te() -> None:
