@@ -65,8 +65,9 @@ def _score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
 
 def _linear_weight(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Parameter:
     w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-    with torch.no_grad():
-        nn.init.normal_(w, mean=0.0, std=_INIT_STD)
+    if not w.is_meta:  # a meta tensor has no values to draw (the memory model builds thousands of experts so)
+        with torch.no_grad():
+            nn.init.normal_(w, mean=0.0, std=_INIT_STD)
     return w
 
 

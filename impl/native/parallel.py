@@ -46,7 +46,8 @@ def normal_init(std: float = DEFAULT_INIT_STD) -> Callable[[torch.Tensor], None]
     """An ``init_method`` for Megatron parallel layers (applied to the full master weight on CPU)."""
 
     def init_(tensor: torch.Tensor) -> None:
-        torch.nn.init.normal_(tensor, mean=0.0, std=std)
+        if not tensor.is_meta:  # nothing to draw on the meta device
+            torch.nn.init.normal_(tensor, mean=0.0, std=std)
 
     return init_
 
