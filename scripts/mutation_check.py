@@ -5,9 +5,9 @@ and check that the tests named for it fail.
 
 Per mutation: copy ``impl/`` under the package name ``impl_mutant`` with the change applied (never to the tree), run
 only its tests against the copy in a pytest subprocess (``--impl impl_mutant``, ``-x``, stops at the first failure),
-and record KILLED (a test failed: its id is reported) or SURVIVED (all passed). A control run first proves that the
-unmutated copy passes every selection (one pytest run over their union), otherwise a "kill" proves nothing.
-ERROR: the change no longer applies exactly once (the code moved), the control failed on that selection, the run
+and record KILLED (a test failed: its id is reported) or SURVIVED (all passed). A control run afterwards proves that
+each killing test passes on the unmutated copy (one pytest run over those test functions), otherwise a "kill" proves
+nothing. ERROR: the change no longer applies exactly once (the code moved), the killing test fails unmutated too, the run
 did not test the copy, collected nothing, crashed or timed out. Exit status 0 only when every mutation is KILLED.
 """
 
@@ -49,7 +49,8 @@ def _pytest(copy_dir: Path, targets: list[str], k: str | None, *, stop_first: bo
     Forked from the warm server (fixtures/warm_pytest.py) unless DSV4_COLD_MUTANTS=1."""
     args = ["-m", "cpu", "-n", "0", "-p", "no:randomly", "-rfE"]
     args += ["--impl", COPY_NAME, *(["-x"] if stop_first else []), *(["-k", k] if k else []), *targets]
-    env = {"PYTHONPATH": str(copy_dir), "DSV4_IMPL": COPY_NAME}
+    outer = os.environ.get("PYTHONPATH", "")  # a lane's overlay stays behind the copy
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(copy_dir), outer) if p), "DSV4_IMPL": COPY_NAME}
     start = time.monotonic()
     if os.environ.get(COLD_ENV) != "1":
         full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join((str(REPO_ROOT), str(copy_dir)))}
@@ -94,39 +95,26 @@ def _tail(out: str, lines: int = 6) -> str:
     return " | ".join(line.strip() for line in out.strip().splitlines()[-lines:])
 
 
-def control_keyword(entries: list[Seeded]) -> str:
-    """One ``-k`` expression selecting (a superset of) every entry's tests: module and test names are keywords."""
-
-    def one(entry: Seeded) -> str:
-        scopes = []
-        for target in entry.kill:
-            file, *names = target.split("::")
-            scopes.append("(" + " and ".join([Path(file).name, *names]) + ")")
-        scope = " or ".join(scopes)
-        return f"(({scope}) and ({entry.k}))" if entry.k else f"({scope})"
-
-    return " or ".join(one(e) for e in entries)
-
-
-def run_control(entries: list[Seeded], work: Path, timeout: float) -> dict[str, str]:
-    """Entry name -> why the unmutated copy fails its selection (absent: it passes)."""
-    if not entries:
+def run_control(killed: list[Outcome], work: Path, timeout: float) -> dict[str, str]:
+    """Entry name -> why its killing test fails on the unmutated copy too (absent: the kill stands). The control
+    runs each killing test function (every parametrization) once, against a copy without any mutation."""
+    if not killed:
         return {}
     copy = copy_implementation(work / "control", name=COPY_NAME)
-    files = list(dict.fromkeys(target.split("::")[0] for e in entries for target in e.kill))
-    rc, outcomes, out, seconds = _pytest(copy.path, files, control_keyword(entries), stop_first=False, timeout=timeout)
-    print(f"control: unmutated copy over {len(entries)} selections: exit {rc} in {seconds:.0f}s", file=sys.stderr)
+    functions = list(dict.fromkeys(o.detail.split("[")[0] for o in killed))
+    rc, outcomes, out, seconds = _pytest(copy.path, functions, None, stop_first=False, timeout=timeout)
+    print(f"control: unmutated copy over {len(functions)} killing tests: exit {rc} in {seconds:.0f}s", file=sys.stderr)
     if rc == 0 and _tested_the_copy(out):
         return {}
     if rc is None or rc != 1 or not _tested_the_copy(out):
         why = "timed out" if rc is None else f"exit {rc}: {_tail(out)}"
-        return {e.name: f"control run failed ({why})" for e in entries}
+        return {o.entry.name: f"control run failed ({why})" for o in killed}
     failed = [node for node, word in outcomes.items() if word in _FAILED_WORDS]
     broken = {}
-    for entry in entries:
-        mine = [node for node in failed if any(node.startswith(t.split("::")[0]) for t in entry.kill)]
+    for o in killed:
+        mine = [node for node in failed if node.startswith(o.detail.split("[")[0])]
         if mine:
-            broken[entry.name] = f"the unmutated copy fails {mine[0]}"
+            broken[o.entry.name] = f"the unmutated copy fails {mine[0]} too"
     return broken
 
 
@@ -149,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [e for e in entries if e.name not in outcomes]
     try:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            control = pool.submit(run_control, runnable, work, args.timeout * 3)
             futures = {pool.submit(run_mutant, e, work, args.timeout): e for e in runnable}
             for done, future in enumerate(as_completed(futures), 1):
                 outcome = future.result()
@@ -158,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"[{done}/{len(runnable)}] {outcome.entry.name}: {outcome.result} ({outcome.seconds:.0f}s)",
                     file=sys.stderr,
                 )
-            for name, why in control.result().items():
-                outcomes[name] = Outcome(outcomes[name].entry, ERROR, why, outcomes[name].seconds)
+        killed = [outcomes[e.name] for e in runnable if outcomes[e.name].result == KILLED]
+        for name, why in run_control(killed, work, args.timeout * 3).items():
+            outcomes[name] = Outcome(outcomes[name].entry, ERROR, why, outcomes[name].seconds)
     finally:
         if args.keep:
             print(f"copies kept in {work}", file=sys.stderr)

@@ -22,6 +22,7 @@ the rule errs on the side of reporting, and a reported line is fixed by going th
 from __future__ import annotations
 
 import ast
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -366,7 +367,9 @@ def _run_selection(copy, node_ids: tuple[str, ...]):
     from fixtures.subproc import pytest_outcomes, run
 
     argv = [sys.executable, "-m", "pytest", "-m", "cpu", "-n", "0", "-rA", "--impl", copy.name, *node_ids]
-    env = {"PYTHONPATH": str(copy.path), "DSV4_IMPL": copy.name}
+    # the copy goes in front of whatever this lane already puts on the path (a pin's or a lane's overlay)
+    outer = os.environ.get("PYTHONPATH", "")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(copy.path), outer) if p), "DSV4_IMPL": copy.name}
     result = run(argv, timeout=600, cwd=REPO_ROOT, env=env)
     out = result.stdout + result.stderr
     assert f"dsv4: impl={copy.name} " in out, f"the run did not test {copy.name}:\n{out[-3000:]}"
