@@ -26,6 +26,7 @@ MARKERS = {
     "bench": "a benchmark that prints figures; never asserts on time",
     "multirank": "spawns several ranks through fixtures.multirank",
     "pin_independent": "never imports megatron: runs once, not per Megatron-Bridge pin (fixtures/pins.py)",
+    "harness": "tests the suite's own machinery (suites/meta/): a Megatron-Bridge pin changes none of it",
 }
 
 settings.register_profile(
@@ -138,6 +139,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.split("::")[0] in PIN_INDEPENDENT:
             item.add_marker(pytest.mark.pin_independent)
+        if item.nodeid.startswith("suites/meta/"):
+            item.add_marker(pytest.mark.harness)
     if not _cuda_available() and not config.getoption("rehearse"):
         skip = pytest.mark.skip(
             reason="needs CUDA: torch.cuda.is_available() is False on this host "

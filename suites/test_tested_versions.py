@@ -2,7 +2,7 @@
 
 The lanes' versions are read here from the files that make the environments (``requirements/base.txt``,
 ``scripts/install.sh``'s Megatron-Bridge pin, the pins ``.ci/run`` runs with ``scripts/pin_overlay.sh``'s core for
-each, ``requirements/device-image.txt``), not from the implementation; the implementation's table and the README's
+each, ``requirements/device-image.txt``, ``requirements/latest.txt`` and its Bridge half's ``latest-bridge.txt``), not from the implementation; the implementation's table and the README's
 version table must both say the same.
 """
 
@@ -39,12 +39,16 @@ def _lanes_from_files() -> dict[str, dict[str, str]]:
         major, minor = pin.split(".")[:2]
         lanes[f"bridge{major}{minor}"] = {**main, "megatron-bridge": pin, "megatron-core": core or default_core}
     lanes["device-image"] = _requirements("device-image.txt")
+    if "scripts/run_latest.sh bridge" in (ROOT / ".ci/run").read_text():
+        latest = {**_requirements("latest.txt"), "megatron-bridge": main["megatron-bridge"]}
+        lanes["latest"] = latest
+        lanes["latest-bridge"] = {**latest, **_requirements("latest-bridge.txt")}
     return lanes
 
 
 def test_the_lanes_are_the_environments_ci_builds(impl):
     want = _lanes_from_files()
-    assert set(want) >= {"main", "bridge05", "bridge04", "device-image"}, sorted(want)
+    assert set(want) >= {"main", "bridge05", "bridge04", "device-image", "latest", "latest-bridge"}, sorted(want)
     assert impl.LANES == want, f"{impl.name}.LANES differs from what CI installs:\n{impl.LANES}\n{want}"
 
 
@@ -56,9 +60,12 @@ def test_the_readme_version_table_lists_each_lane(impl):
 
 
 def test_an_untested_version_is_one_line_naming_it_and_what_ci_ran(impl):
-    main = _lanes_from_files()["main"]
+    lanes = _lanes_from_files()
+    main = lanes["main"]
     assert impl.untested_line(main) is None, "the main lane's own versions reported untested"
-    line = impl.untested_line({**main, "transformers": "5.23.0", "torch": "2.15.0"})
+    untested = {"transformers": "5.13.0", "torch": "2.14.0"}
+    assert not any(lane.get(p) == v for lane in lanes.values() for p, v in untested.items()), "a lane runs them"
+    line = impl.untested_line({**main, **untested})
     assert line is not None and "\n" not in line, line
-    assert "transformers 5.23.0 (CI ran " in line and main["transformers"] in line, line
-    assert "torch 2.15.0" in line and "megatron" not in line, line
+    assert "transformers 5.13.0 (CI ran " in line and main["transformers"] in line, line
+    assert "torch 2.14.0" in line and "megatron" not in line, line

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The latest lane: the newest torch, transformers, PEFT and safetensors the package index serves
+# (requirements/latest.txt, installed by `DSV4_LANE=latest scripts/install.sh .venv-latest`).
+#   scripts/run_latest.sh [pytest args]          the megatron-free files (fixtures/pins.py) with megatron made
+#                                                unimportable, then whether Megatron-Bridge imports under this
+#                                                transformers (xfails/latest.txt: it does not under 5.24)
+#   scripts/run_latest.sh bridge [pytest args]   the rest of the CPU suite, as a pin runs it, with the newest
+#                                                transformers Bridge imports under (requirements/latest-bridge.txt)
+#                                                as an overlay over .venv-latest (xfails/latest-bridge.txt)
+# Environment: VENV (default .venv-latest), PINS_DIR (default .pins), DSV4_PIN_WORKERS, DSV4_PIN_HYPOTHESIS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export VENV=${VENV:-.venv-latest}
+PINS_DIR=${PINS_DIR:-.pins}
+[ -x "$VENV/bin/python" ] || { echo "run_latest: $VENV missing; run DSV4_LANE=latest scripts/install.sh $VENV" >&2; exit 1; }
+status=0
+note() { local rc=$?; [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc; return 0; }
+
+if [ "${1:-}" != bridge ]; then
+  scripts/run_pin.sh independent "$@" || note
+  "$VENV/bin/python" -m pytest -m cpu -n 0 -q --xfails-file xfails/latest.txt suites/test_bridge_imports.py "$@" || note
+  exit "$status"
+fi
+shift
+spec=$(grep -E '^transformers==' requirements/latest-bridge.txt)
+overlay="$PINS_DIR/transformers-${spec#transformers==}"
+mkdir -p "$PINS_DIR"
+[ -f "$PINS_DIR/.gitignore" ] || echo '*' >"$PINS_DIR/.gitignore"
+if [ ! -f "$overlay/.overlay-spec" ] || [ "$(cat "$overlay/.overlay-spec")" != "$spec" ]; then
+  rm -rf "$overlay"
+  # the latest venv was installed without the host's version cap (scripts/install.sh); so is its overlay
+  PIP_CONSTRAINT=/dev/null "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    --target "$overlay" "$spec"
+  echo "$spec" >"$overlay/.overlay-spec"
+fi
+paths=()
+for arg in "$@"; do [[ $arg == suites/* || $arg == *.py* ]] && paths+=("$arg"); done
+if [ ${#paths[@]} -eq 0 ]; then set -- suites -m "cpu and not pin_independent and not slow" "$@"; else set -- -m cpu "$@"; fi
+start=$(date +%s)
+PYTHONPATH="$PWD/$overlay" "$VENV/bin/python" -m pytest -n "${DSV4_PIN_WORKERS:-2}" --dist loadgroup -q \
+  --hypothesis-profile="${DSV4_PIN_HYPOTHESIS:-dev}" --xfails-file xfails/latest-bridge.txt "$@" || note
+echo "run_latest: bridge half took $(( $(date +%s) - start ))s" >&2
+exit "$status"
