@@ -9,7 +9,7 @@ them all (``dsv4-lora verify-adapter``).
 |---|---|
 | ``files`` | ``adapter_config.json`` / ``adapter_model.safetensors`` missing or unreadable, or pickle weights present (never unpickled here: ``dsv4-lora convert-adapter``) |
 | ``marker`` | ``.complete`` missing (when required), or it certifies other bytes than the files present (stale) |
-| ``config`` | not LoRA, ``r`` / ``lora_alpha`` invalid, DoRA, or fields V4 adapters never carry |
+| ``config`` | not LoRA, ``r`` / ``lora_alpha`` invalid, DoRA, or a rank/alpha pattern that changes a module's scale |
 | ``names`` | tensors that are no PEFT LoRA tensors (one line per cause, counted), the dialect is unknown or mixed, or (with a base) modules that resolve to no base weight or are not main-attention targets (one line per kind, naming what each consumer does there) |
 | ``halves`` | a module has only ``lora_A`` or only ``lora_B`` |
 | ``shapes`` | ``lora_A [r, in]`` / ``lora_B [out, r]`` disagree with ``r`` (and with the base weight ``[out, in]``) |
@@ -191,10 +191,33 @@ def _config(a: AdapterDir) -> Iterator[str]:
         yield f"{file}: r={r!r} must be a positive integer"
     if not isinstance(alpha, int | float) or alpha <= 0:
         yield f"{file}: lora_alpha={alpha!r} must be positive"
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        yield f"{file}: rank_pattern/alpha_pattern are not produced for V4 adapters"
+    yield from _pattern_scales(a)
     if not _valid_target_modules(cfg.get("target_modules")):
         yield f"{file}: target_modules={cfg.get('target_modules')!r} is neither a regular expression nor a list of names"
+
+
+def pattern_value(patterns: Any, module: str, default: Any) -> Any:
+    """The value PEFT gives ``module`` from ``rank_pattern`` / ``alpha_pattern``: the first key that matches the
+    end of the module path on a dot boundary (PEFT's own rule), else ``default``."""
+    for key, value in (patterns or {}).items() if isinstance(patterns, Mapping) else ():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _pattern_scales(a: AdapterDir) -> Iterator[str]:
+    """A pattern that gives a module another r or alpha changes its scale: PEFT applies it, engines use one scale.
+    Patterns that restate r and lora_alpha (Megatron-Bridge's save_hf_adapter writes one per module) change nothing."""
+    cfg, file = a.config, a.config_file
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    for key, default in (("rank_pattern", r), ("alpha_pattern", alpha)):
+        changed = {m: v for m in a.modules if (v := pattern_value(cfg.get(key), m, default)) != default}
+        if changed:
+            module, value = next(iter(changed.items()))
+            yield (
+                f"{file}: {key} gives {len(changed)} module(s) a value other than {default} (e.g. {module}: "
+                f"{value}): PEFT scales those by their own alpha/r, a serving engine by lora_alpha/r for all"
+            )
 
 
 def _valid_target_modules(value: Any) -> bool:
@@ -294,8 +317,8 @@ def _halves(a: AdapterDir) -> Iterator[str]:
 
 
 def _shapes(a: AdapterDir) -> Iterator[str]:
-    r = a.config.get("r")
     for module, halves in a.modules.items():
+        r = pattern_value(a.config.get("rank_pattern"), module, a.config.get("r"))
         official = a.base_names.official_of(module) if a.base_names is not None else None
         out_in = a.base_names.shapes.get(official) if a.base_names is not None and official else None
         if out_in is not None and len(out_in) != 2:
