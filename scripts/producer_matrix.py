@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Print the producer matrix: producer x version x target spec, what verify-adapter finds in the adapter the
-producer's own code makes, and what each consumer would apply (fixtures/producers.py).
+"""Print the producer matrices: producer x version x target spec, what verify-adapter finds in the adapter the
+producer's own code makes, and what each consumer would apply (fixtures/producers.py: stock PEFT;
+fixtures/producers_bridge.py: Megatron-Bridge's own save_hf_adapter on the native graph).
 
     .venv/bin/python scripts/producer_matrix.py            # print the markdown table
     .venv/bin/python scripts/producer_matrix.py --write    # put it into docs/producers.md between the markers
@@ -20,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from fixtures.impl_loader import resolve_impl_name  # noqa: E402  (the repository root goes on the path first)
 from fixtures.producers import PEFT_SPECS, PRODUCER_MATRIX, matrix_rows, peft_model, render_matrix  # noqa: E402
+from fixtures.producers_bridge import BRIDGE_MATRIX  # noqa: E402
 from tiny_models.checkpoint import write_checkpoint  # noqa: E402
 
 
@@ -36,8 +38,25 @@ def main() -> int:
         for name, spec in PEFT_SPECS.items():
             peft_model(base, spec).save_pretrained(str(Path(tmp) / name))
             adapters[name] = Path(tmp) / name
-        table = render_matrix(matrix_rows(resolve_impl_name(args.impl), base, adapters))
-    return PRODUCER_MATRIX.apply(table, write=args.write, check=args.check)
+        name = resolve_impl_name(args.impl)
+        table = render_matrix(matrix_rows(name, base, adapters))
+        bridge_table = render_matrix(_bridge_rows(name, base, Path(tmp) / "bridge"))
+    codes = [
+        section.apply(t, write=args.write, check=args.check)
+        for section, t in ((PRODUCER_MATRIX, table), (BRIDGE_MATRIX, bridge_table))
+    ]
+    return max(codes)
+
+
+def _bridge_rows(name: str, base: Path, out: Path):
+    """Megatron-Bridge's own save_hf_adapter on the native graph (fixtures/producers_bridge.py)."""
+    from fixtures.impl_loader import load_impl
+    from fixtures.producers_bridge import bridge_adapters, bridge_version, trained_native
+
+    impl = load_impl(name)
+    model, lora = trained_native(impl)
+    made = bridge_adapters(impl, base, model, lora, out)
+    return matrix_rows(name, base, made, producer="Megatron-Bridge save_hf_adapter", version=bridge_version())
 
 
 if __name__ == "__main__":
