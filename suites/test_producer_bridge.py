@@ -99,6 +99,8 @@ def test_the_bridge_producer_matrix_in_the_docs_is_what_the_commands_say_now(imp
     from fixtures.producers import matrix_rows, render_matrix
     from fixtures.producers_bridge import bridge_version
 
+    if bridge_version() != impl.LANES["main"]["megatron-bridge"]:
+        pytest.skip(f"the table is of the main lane's Megatron-Bridge; this is {bridge_version()}")
     rows = matrix_rows(
         impl.name, made[0], made[2], producer="Megatron-Bridge save_hf_adapter", version=bridge_version()
     )
