@@ -7,7 +7,10 @@ rehearsal (``--rehearse`` under torchrun); their ranks are NCCL ranks, never glo
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -27,7 +30,10 @@ MARKERS = {
     "multirank": "spawns several ranks through fixtures.multirank",
     "pin_independent": "never imports megatron: runs once, not per Megatron-Bridge pin (fixtures/pins.py)",
     "harness": "tests the suite's own machinery (suites/meta/): a Megatron-Bridge pin changes none of it",
+    "transformers": "its file uses transformers or PEFT (the oracle, reloads, PEFT producers): found in its source",
 }
+#: what marks a test file ``transformers`` (the latest lane's Bridge half runs those)
+_USES_TRANSFORMERS = re.compile(r"\b(load_oracle|transformers|peft|PeftModel)\b")
 
 settings.register_profile(
     "dev", max_examples=20, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
@@ -141,6 +147,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.pin_independent)
         if item.nodeid.startswith("suites/meta/"):
             item.add_marker(pytest.mark.harness)
+        if _uses_transformers(str(item.path)):
+            item.add_marker(pytest.mark.transformers)
     if not _cuda_available() and not config.getoption("rehearse"):
         skip = pytest.mark.skip(
             reason="needs CUDA: torch.cuda.is_available() is False on this host "
@@ -178,6 +186,11 @@ def _apply_xfails_file(config: pytest.Config, items: list[pytest.Item]) -> None:
             if item.nodeid.startswith(prefix):
                 item.add_marker(pytest.mark.xfail(reason=why, strict=True, raises=raises))
                 break
+
+
+@functools.cache
+def _uses_transformers(path: str) -> bool:
+    return bool(_USES_TRANSFORMERS.search(Path(path).read_text()))
 
 
 def _read_xfails_file(config: pytest.Config, path: str) -> list[tuple[str, type[BaseException], str]]:

@@ -4,7 +4,8 @@
 #   scripts/run_latest.sh [pytest args]          the megatron-free files (fixtures/pins.py) with megatron made
 #                                                unimportable, then whether Megatron-Bridge imports under this
 #                                                transformers (xfails/latest.txt: it does not under 5.24)
-#   scripts/run_latest.sh bridge [pytest args]   the rest of the CPU suite, as a pin runs it, with the newest
+#   scripts/run_latest.sh bridge [pytest args]   the rest of the files that use transformers or PEFT, as a pin
+#                                                runs them (not slow, dev hypothesis profile), with the newest
 #                                                transformers Bridge imports under (requirements/latest-bridge.txt)
 #                                                as an overlay over .venv-latest (xfails/latest-bridge.txt)
 # Environment: VENV (default .venv-latest), PINS_DIR (default .pins), DSV4_PIN_WORKERS, DSV4_PIN_HYPOTHESIS.
@@ -35,7 +36,10 @@ if [ ! -f "$overlay/.overlay-spec" ] || [ "$(cat "$overlay/.overlay-spec")" != "
 fi
 paths=()
 for arg in "$@"; do [[ $arg == suites/* || $arg == *.py* ]] && paths+=("$arg"); done
-if [ ${#paths[@]} -eq 0 ]; then set -- suites -m "cpu and not pin_independent and not slow" "$@"; else set -- -m cpu "$@"; fi
+# Of the rest, the files that use transformers or PEFT (marked transformers from their source), as a pin runs them;
+# the suite's own machinery (harness) runs in the main lane and, megatron-free, in the first half.
+marks="cpu and not pin_independent and not slow and not harness and transformers"
+if [ ${#paths[@]} -eq 0 ]; then set -- suites -m "$marks" "$@"; else set -- -m cpu "$@"; fi
 start=$(date +%s)
 PYTHONPATH="$PWD/$overlay" "$VENV/bin/python" -m pytest -n "${DSV4_PIN_WORKERS:-2}" --dist loadgroup -q \
   --hypothesis-profile="${DSV4_PIN_HYPOTHESIS:-dev}" --xfails-file xfails/latest-bridge.txt "$@" || note
