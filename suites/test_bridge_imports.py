@@ -32,6 +32,8 @@ try:
     {{impl}}.compat_report()
 except {{impl}}.BridgeImportError as exc:
     print("TYPED", exc)
+else:
+    print("IMPORTS WITHOUT IT")
 """
 
 
@@ -53,9 +55,13 @@ def test_a_transformers_module_bridge_needs_is_named_with_both_versions(impl):
     if not _bridge_imports(impl):
         pytest.skip("megatron-bridge does not import here at all; the next test judges the real error")
     result = run([sys.executable, "-c", _HIDE_AND_PREPARE.replace("{impl}", impl.name)], timeout=300)
+    from importlib.metadata import version
+
+    bridge = version("megatron-bridge")
+    if "IMPORTS WITHOUT IT" in result.stdout and bridge != impl.LANES["main"]["megatron-bridge"]:
+        pytest.skip(f"megatron-bridge {bridge} does not import {HIDDEN}; the main lane's Bridge proves the message")
     typed = [line for line in result.stdout.splitlines() if line.startswith("TYPED ")]
     assert typed, f"no {impl.name}.BridgeImportError:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-    from importlib.metadata import version
 
     for word in (HIDDEN, f"megatron-bridge {version('megatron-bridge')}", f"transformers {version('transformers')}"):
         assert word in typed[0], f"{word!r} missing from: {typed[0]}"
