@@ -29,7 +29,10 @@ MARKERS = {
     "bench": "a benchmark that prints figures; never asserts on time",
     "multirank": "spawns several ranks through fixtures.multirank",
     "pin_independent": "never imports megatron: runs once, not per Megatron-Bridge pin (fixtures/pins.py)",
-    "harness": "tests the suite's own machinery (suites/meta/): a Megatron-Bridge pin changes none of it",
+    "harness": "tests the suite's own machinery (suites/meta/, and tests marked so: the runner's GPU guard, the "
+    "device check script): a Megatron-Bridge pin changes none of it",
+    "bridge_path": "a command-line run through the whole bridge path (qualify: strict load, LoRA, gather, export, "
+    "reload): a Bridge pin runs it although it is slow",
     "transformers": "its file uses transformers or PEFT (the oracle, reloads, PEFT producers): found in its source",
 }
 #: what marks a test file ``transformers`` (the latest lane's Bridge half runs those)

@@ -17,7 +17,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "creating $VENV with $PY"
   "$PY" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# --no-compile: byte-compiling every installed module costs about a minute of CPU per environment (torch's alone is
+# most of it); Python compiles what is imported, once, on first use.
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compile)
 REQUIREMENTS=requirements/base.txt
 if [ "${DSV4_LANE:-main}" = latest ]; then
   REQUIREMENTS=requirements/latest.txt

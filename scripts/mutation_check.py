@@ -14,7 +14,6 @@ did not test the copy, collected nothing, crashed or timed out. Exit status 0 on
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -28,8 +27,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from fixtures.impl_copy import MutationError, copy_implementation  # noqa: E402
 from fixtures.mutations import CATALOGUE, Seeded, change_problem  # noqa: E402
-from fixtures.subproc import pytest_outcomes, run  # noqa: E402
-from fixtures.warm_pytest import COLD_ENV, warm_pytest  # noqa: E402
+from fixtures.subproc import pytest_outcomes  # noqa: E402
+from fixtures.warm_pytest import pytest_on_copy  # noqa: E402
 
 COPY_NAME = "impl_mutant"  # the control copy has the same name, so the mutation is the only difference
 KILLED, SURVIVED, ERROR = "KILLED", "SURVIVED", "ERROR"
@@ -49,21 +48,11 @@ def _pytest(copy_dir: Path, targets: list[str], k: str | None, *, stop_first: bo
     Forked from the warm server (fixtures/warm_pytest.py) unless DSV4_COLD_MUTANTS=1."""
     args = ["-m", "cpu", "-n", "0", "-p", "no:randomly", "-rfE"]
     args += ["--impl", COPY_NAME, *(["-x"] if stop_first else []), *(["-k", k] if k else []), *targets]
-    outer = os.environ.get("PYTHONPATH", "")  # a lane's overlay stays behind the copy
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(copy_dir), outer) if p), "DSV4_IMPL": COPY_NAME}
     start = time.monotonic()
-    if os.environ.get(COLD_ENV) != "1":
-        full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join((str(REPO_ROOT), str(copy_dir)))}
-        rc, out = warm_pytest(args, cwd=REPO_ROOT, env=full_env, timeout=timeout)
-        if rc is None:
-            return None, {}, f"timed out after {timeout:g}s:\n{out[-4000:]}", time.monotonic() - start
-        return rc, pytest_outcomes(out), out, time.monotonic() - start
-    try:
-        result = run([sys.executable, "-m", "pytest", *args], timeout=timeout, cwd=REPO_ROOT, env=env)
-    except AssertionError as exc:  # fixtures.subproc.run: timed out, process group killed
-        return None, {}, str(exc), time.monotonic() - start
-    out = result.stdout + result.stderr
-    return result.returncode, pytest_outcomes(out), out, time.monotonic() - start
+    rc, out = pytest_on_copy(args, copy_dir=copy_dir, copy_name=COPY_NAME, timeout=timeout)
+    if rc is None:
+        return None, {}, f"timed out after {timeout:g}s:\n{out[-4000:]}", time.monotonic() - start
+    return rc, pytest_outcomes(out), out, time.monotonic() - start
 
 
 def _tested_the_copy(out: str) -> bool:
@@ -95,21 +84,46 @@ def _tail(out: str, lines: int = 6) -> str:
     return " | ".join(line.strip() for line in out.strip().splitlines()[-lines:])
 
 
-def run_control(killed: list[Outcome], work: Path, timeout: float) -> dict[str, str]:
+def _buckets(functions: list[str], jobs: int) -> list[list[str]]:
+    """``functions`` in at most ``jobs`` groups of whole files (a file's module fixtures are built once), the
+    largest files first, each to the group with the fewest functions so far."""
+    files: dict[str, list[str]] = {}
+    for fn in functions:
+        files.setdefault(fn.split("::")[0], []).append(fn)
+    groups: list[list[str]] = [[] for _ in range(max(1, min(jobs, len(files))))]
+    for members in sorted(files.values(), key=len, reverse=True):
+        min(groups, key=len).extend(members)
+    return groups
+
+
+def run_control(killed: list[Outcome], work: Path, timeout: float, jobs: int = 1) -> dict[str, str]:
     """Entry name -> why its killing test fails on the unmutated copy too (absent: the kill stands). The control
-    runs each killing test function (every parametrization) once, against a copy without any mutation."""
+    runs each killing test function (every parametrization) once, against a copy without any mutation, split over
+    ``jobs`` concurrent pytest runs."""
     if not killed:
         return {}
     copy = copy_implementation(work / "control", name=COPY_NAME)
     functions = list(dict.fromkeys(o.detail.split("[")[0] for o in killed))
-    rc, outcomes, out, seconds = _pytest(copy.path, functions, None, stop_first=False, timeout=timeout)
-    print(f"control: unmutated copy over {len(functions)} killing tests: exit {rc} in {seconds:.0f}s", file=sys.stderr)
-    if rc == 0 and _tested_the_copy(out):
-        return {}
-    if rc is None or rc != 1 or not _tested_the_copy(out):
-        why = "timed out" if rc is None else f"exit {rc}: {_tail(out)}"
+    groups = _buckets(functions, jobs)
+    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+        runs = list(pool.map(lambda g: _pytest(copy.path, g, None, stop_first=False, timeout=timeout), groups))
+    seconds = max(r[3] for r in runs)
+    codes = [r[0] for r in runs]
+    print(
+        f"control: unmutated copy over {len(functions)} killing tests in {len(groups)} run(s): exit {codes} in "
+        f"{seconds:.0f}s",
+        file=sys.stderr,
+    )
+    failed, why = [], None
+    for rc, outcomes, out, _ in runs:
+        if rc == 0 and _tested_the_copy(out):
+            continue
+        if rc is None or rc != 1 or not _tested_the_copy(out):
+            why = why or ("timed out" if rc is None else f"exit {rc}: {_tail(out)}")
+            continue
+        failed += [node for node, word in outcomes.items() if word in _FAILED_WORDS]
+    if why is not None:
         return {o.entry.name: f"control run failed ({why})" for o in killed}
-    failed = [node for node, word in outcomes.items() if word in _FAILED_WORDS]
     broken = {}
     for o in killed:
         mine = [node for node in failed if node.startswith(o.detail.split("[")[0])]
@@ -146,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
         killed = [outcomes[e.name] for e in runnable if outcomes[e.name].result == KILLED]
-        for name, why in run_control(killed, work, args.timeout * 3).items():
+        for name, why in run_control(killed, work, args.timeout * 3, args.jobs).items():
             outcomes[name] = Outcome(outcomes[name].entry, ERROR, why, outcomes[name].seconds)
     finally:
         if args.keep:

@@ -5,7 +5,8 @@
 #                                                unimportable, then whether Megatron-Bridge imports under this
 #                                                transformers (xfails/latest.txt: it does not under 5.24)
 #   scripts/run_latest.sh bridge [pytest args]   the rest of the files that use transformers or PEFT, as a pin
-#                                                runs them (not slow, dev hypothesis profile), with the newest
+#                                                runs them (not slow but the qualify runs; dev hypothesis
+#                                                profile), with the newest
 #                                                transformers Bridge imports under (requirements/latest-bridge.txt)
 #                                                as an overlay over .venv-latest (xfails/latest-bridge.txt)
 # Environment: VENV (default .venv-latest), PINS_DIR (default .pins), DSV4_PIN_WORKERS, DSV4_PIN_HYPOTHESIS.
@@ -36,9 +37,10 @@ if [ ! -f "$overlay/.overlay-spec" ] || [ "$(cat "$overlay/.overlay-spec")" != "
 fi
 paths=()
 for arg in "$@"; do [[ $arg == suites/* || $arg == *.py* ]] && paths+=("$arg"); done
-# Of the rest, the files that use transformers or PEFT (marked transformers from their source), as a pin runs them;
-# the suite's own machinery (harness) runs in the main lane and, megatron-free, in the first half.
-marks="cpu and not pin_independent and not slow and not harness and transformers"
+# Of the rest, the files that use transformers or PEFT (marked transformers from their source), as a pin runs them
+# (.ci/run's PIN_MARKS: the qualify runs included); the suite's own machinery (harness) runs in the main lane and,
+# megatron-free, in the first half.
+marks="cpu and not pin_independent and (not slow or bridge_path) and not harness and transformers"
 if [ ${#paths[@]} -eq 0 ]; then set -- suites -m "$marks" "$@"; else set -- -m cpu "$@"; fi
 start=$(date +%s)
 PYTHONPATH="$PWD/$overlay" "$VENV/bin/python" -m pytest -n "${DSV4_PIN_WORKERS:-2}" --dist loadgroup -q \

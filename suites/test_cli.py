@@ -56,6 +56,7 @@ def test_every_subcommand_has_help(dsv4):
         assert result.returncode == 0 and "usage: dsv4-lora" in result.stdout, (sub, result.stderr[-2000:])
 
 
+@pytest.mark.bridge_path
 def test_default_qualify_passes_and_reports_every_check(dsv4, qualified):
     report = json.loads((qualified / "qualify.json").read_text())
     assert report["ok"] is True
@@ -95,6 +96,7 @@ def _merged_oracle(qualified: Path):
     return PeftModel.from_pretrained(load_oracle(qualified / "base"), str(qualified / "adapter")).merge_and_unload()
 
 
+@pytest.mark.bridge_path
 def test_qualify_trains_on_one_fixed_batch_and_its_loss_falls(qualified):
     """Both reported losses are transformers' losses on the one recorded batch: the first with the base alone (the
     adapters start at zero), the last with the exported adapter merged; the last is lower."""
@@ -123,6 +125,7 @@ def test_qualify_trains_on_one_fixed_batch_and_its_loss_falls(qualified):
     assert last < first and train["loss_fell"] is True, f"the loss did not fall: {first:.4f} -> {last:.4f}"
 
 
+@pytest.mark.bridge_path
 def test_qualify_reload_tolerance_scales_with_the_logits_and_reports_its_margin(qualified):
     """tolerance = 256 * eps(float32) * max|reloaded logits| (README, qualify section); the report holds the
     observed figure and margin = tolerance / observed, and the margin leaves room for another machine's rounding."""
@@ -155,6 +158,7 @@ def test_qualify_reload_tolerance_scales_with_the_logits_and_reports_its_margin(
 TRANSFORMERS_LEAVES = {"wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv": "kv_proj", "wo_a": "o_a_proj", "wo_b": "o_b_proj"}
 
 
+@pytest.mark.bridge_path
 def test_qualify_reload_could_see_any_one_lost_target_or_layer(qualified, tmp_path):
     """The reload's tolerance lies below the effect of every single target and every single layer of the adapter,
     and the weakest of each, measured again with stock PEFT alone (lora_B zeroed, merged), agrees with the report
@@ -208,6 +212,7 @@ def test_qualify_rejects_a_corrupt_safetensors_file(dsv4, qualified, tmp_path):
     assert st.name in result.stdout + result.stderr, (result.stdout[-3000:], result.stderr[-3000:])
 
 
+@pytest.mark.bridge_path
 def test_qualify_names_a_missing_tensor(dsv4, qualified, tmp_path):
     base = _copy_base(qualified, tmp_path)
     (st,) = base.glob("*.safetensors")

@@ -21,7 +21,7 @@ import pytest
 from fixtures.multirank import GPU_WORLD, rank_world, run_ranks
 from fixtures.subproc import REPO_ROOT, pytest_outcomes, run
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.harness]  # the runner's guard: no Bridge pin changes it
 
 PROBE = """
 import pytest

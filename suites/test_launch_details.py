@@ -165,6 +165,7 @@ DEVICE_CHECK_STEPS = [
 ]
 
 
+@pytest.mark.harness  # the device image has no megatron: no Bridge pin changes this script
 def test_device_check_reports_every_step_even_when_its_budget_runs_out(tmp_path):
     """A 20 s budget cannot hold the steps: the script must time out / skip them, never stop early, print the
     summary table with every step, and exit non-zero (the full dry run: ``scripts/device_rehearsal.sh``)."""

@@ -22,7 +22,6 @@ the rule errs on the side of reporting, and a reported line is fixed by going th
 from __future__ import annotations
 
 import ast
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -362,18 +361,14 @@ MUTANTS = {
 
 def _run_selection(copy, node_ids: tuple[str, ...]):
     """Run ``node_ids`` (from the repository root, so conftest and fixtures load as usual) against ``copy``."""
-    import sys
+    from fixtures.subproc import pytest_outcomes
+    from fixtures.warm_pytest import pytest_on_copy
 
-    from fixtures.subproc import pytest_outcomes, run
-
-    argv = [sys.executable, "-m", "pytest", "-m", "cpu", "-n", "0", "-rA", "--impl", copy.name, *node_ids]
-    # the copy goes in front of whatever this lane already puts on the path (a pin's or a lane's overlay)
-    outer = os.environ.get("PYTHONPATH", "")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(copy.path), outer) if p), "DSV4_IMPL": copy.name}
-    result = run(argv, timeout=600, cwd=REPO_ROOT, env=env)
-    out = result.stdout + result.stderr
+    args = ["-m", "cpu", "-n", "0", "-rA", "--impl", copy.name, *node_ids]
+    rc, out = pytest_on_copy(args, copy_dir=copy.path, copy_name=copy.name, timeout=600)
+    assert rc is not None, f"the run against {copy.name} timed out:\n{out[-3000:]}"
     assert f"dsv4: impl={copy.name} " in out, f"the run did not test {copy.name}:\n{out[-3000:]}"
-    return result.returncode, pytest_outcomes(out), out
+    return rc, pytest_outcomes(out), out
 
 
 @pytest.fixture(scope="module")
