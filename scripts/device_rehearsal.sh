@@ -17,7 +17,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$(scripts/find_python312.sh)" -m venv "$VENV"
 fi
 # This stands for the image: its packages come from the index here; there they are already installed.
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile -r requirements/device-image.txt
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements/device-image.txt
 if "$VENV/bin/python" -c 'import megatron' 2>/dev/null; then
   echo "device_rehearsal: $VENV has megatron, which the GPU image lacks; remove $VENV and re-run" >&2
   exit 1

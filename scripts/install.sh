@@ -17,9 +17,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "creating $VENV with $PY"
   "$PY" -m venv "$VENV"
 fi
-# --no-compile: byte-compiling every installed module costs about a minute of CPU per environment (torch's alone is
-# most of it); Python compiles what is imported, once, on first use.
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compile)
+# Byte-compiled at install (pip's default), never lazily: where PYTHONDONTWRITEBYTECODE is set (this host sets it) a
+# lazily compiled module is compiled again by every interpreter: importing torch and megatron.core took 10 s of CPU
+# instead of 4 in each of the suite's hundreds of subprocesses and ranks.
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 REQUIREMENTS=requirements/base.txt
 if [ "${DSV4_LANE:-main}" = latest ]; then
   REQUIREMENTS=requirements/latest.txt
