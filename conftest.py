@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,8 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("DSV4_TORCH_THREADS", "1")))
+    # Base digests remembered by the suite's thousands of throwaway bases stay out of the user's own cache.
+    os.environ.setdefault("DSV4_LORA_CACHE", os.path.join(tempfile.gettempdir(), f"dsv4-lora-test-cache-{os.getuid()}"))
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     # hypothesis' own --hypothesis-profile wins; otherwise $HYPOTHESIS_PROFILE, else dev.

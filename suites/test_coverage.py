@@ -75,3 +75,35 @@ def test_full_size_manifest_is_complete_in_the_upstream_layout_too(impl, full_si
 def test_an_unknown_layout_is_a_typed_error_naming_the_choices(impl):
     with pytest.raises(impl.UnsupportedConfigError, match="'miles', 'upstream'"):
         impl.coverage_report(["embed.weight"], layout="megatron")
+
+
+@pytest.mark.parametrize("variant", [*sorted(FULL_SIZE), "tiny-mixed", "tiny-sliding"])
+def test_a_published_config_json_implies_exactly_its_manifest(impl, variant):
+    """DeepSeek's published ``config.json`` (``compress_ratios`` with the MTP entry, ``num_hash_layers``) states the
+    schedule outright; what it implies is the manifest ``tiny_models`` derives from the same configuration."""
+    from fixtures.sparse_checkpoint import published_config
+
+    config = FULL_SIZE[variant]() if variant in FULL_SIZE else get_preset(variant)
+    weights = {s.name for s in manifest(config, with_scales=False)}
+    implied = set(impl.coverage_report([], config=published_config(config)).missing)
+    assert implied == weights, (
+        f"{variant}: implied, not in the manifest: {sorted(implied - weights)[:5]}; "
+        f"in the manifest, not implied: {sorted(weights - implied)[:5]}"
+    )
+
+
+def test_coverage_of_a_base_with_a_published_config_never_imports_transformers(impl, tmp_path):
+    """Importing transformers costs seconds and most of the memory of a full-size coverage run; a published config
+    needs no folding."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from fixtures.sparse_checkpoint import published_config
+    from fixtures.subproc import cli_imports
+
+    (tmp_path / "config.json").write_text(json.dumps(published_config(flash_config())))
+    save_file({"embed.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "model.safetensors"))
+    _, imported, out = cli_imports(impl.name, ["coverage", "--base", tmp_path], "transformers")
+    assert not imported and "missing" in out, out[-4000:]

@@ -80,15 +80,10 @@ def test_an_exported_adapter_is_certified(impl, exported):
 def test_verify_adapter_reads_without_importing_torch(impl, exported):
     """The checks read bytes, shapes and dtypes: importing torch would cost the command about a second and
     ~500 MB before it reads anything (``pytest -m bench -s suites/test_bench_full_size_base.py``)."""
-    import subprocess
-    import sys
+    from fixtures.subproc import cli_imports
 
     base, adapter = exported
-    code = (
-        "import sys\n"
-        f"from {impl.name}.cli.main import main\n"
-        f"status = main(['verify-adapter', '--base', {str(base)!r}, '--adapter', {str(adapter)!r}])\n"
-        "print('exit', status, 'torch imported:', 'torch' in sys.modules)\n"
+    status, torch_imported, out = cli_imports(
+        impl.name, ["verify-adapter", "--base", base, "--adapter", adapter], "torch"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "exit 0 torch imported: False" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    assert status == 0 and not torch_imported, out[-4000:]

@@ -16,13 +16,13 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from impl.adapter.dialects import DIALECTS
 from impl.adapter.raw import DTYPE_NAMES
-from impl.conversion.headers import Header, read_file_header, shard_files, tensor_sha256
+from impl.conversion.digests import tensor_digests
+from impl.conversion.headers import Header, read_file_header, shard_files
 from impl.errors import Dsv4Error
 from impl.lora.vocabulary import TARGET_TABLE
 
@@ -122,7 +122,8 @@ def _dir_sources(path: Path) -> dict[str, tuple[str, str]]:
 
 
 def _dir_records(path: Path, wanted: list[str], where: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    """Records of ``wanted`` from their shards' headers, each tensor's bytes streamed (never loaded)."""
+    """Records of ``wanted`` from their shards' headers, each tensor's bytes streamed (never loaded) or its digest
+    remembered from an earlier run while its shard is unchanged (:mod:`impl.conversion.digests`)."""
     by_shard: dict[str, list[str]] = {}
     for n in wanted:
         by_shard.setdefault(where[n][1], []).append(n)
@@ -134,9 +135,7 @@ def _dir_records(path: Path, wanted: list[str], where: dict[str, tuple[str, str]
             if h is None:
                 raise FingerprintMismatchError(f"{path / shard}: has no tensor {n} although the index says it does")
             found[n] = h
-    # hashlib and file reads release the GIL: a few threads hash several tensors at once
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        digests = dict(zip(found, pool.map(lambda h: tensor_sha256(path, h), found.values()), strict=True))
+    digests = tensor_digests(path, found)
     return {
         n: {"shape": list(h.shape), "dtype": TORCH_DTYPE_NAMES.get(h.dtype, h.dtype), "sha256": digests[n]}
         for n, h in found.items()

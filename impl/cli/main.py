@@ -178,8 +178,11 @@ def cmd_coverage(args: argparse.Namespace) -> int:
 
     if args.base:
         from impl.conversion.base_dir import inspect_base
+        from impl.conversion.mapping_table import ManifestFacts
 
-        read = inspect_base(args.base, transformers_config=True)
+        read = inspect_base(args.base)
+        if read.ok and ManifestFacts.from_published(read.config or {}) is None:  # a form only transformers folds
+            read = inspect_base(args.base, transformers_config=True)
         if not read.ok:
             return _print_problems([p.message for p in read.problems])
         report = coverage_report(Path(args.base), layout=args.layout)

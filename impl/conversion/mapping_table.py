@@ -459,6 +459,40 @@ MAPPING_TABLE: tuple[MappingRow, ...] = _build_table()
 # the official manifest a configuration implies (what coverage calls "expected")
 
 
+@dataclass(frozen=True)
+class ManifestFacts:
+    """What decides a checkpoint's tensor names: the layer count and schedule, experts and MTP layers."""
+
+    num_layers: int
+    compress_ratios: tuple[int, ...]
+    num_hash_layers: int
+    n_routed_experts: int
+    num_mtp_layers: int
+
+    def is_hash_layer(self, layer: int) -> bool:
+        return layer < self.num_hash_layers
+
+    @classmethod
+    def from_published(cls, config: Mapping[str, Any]) -> ManifestFacts | None:
+        """Read from a ``config.json`` that states its schedule in DeepSeek's published keys (``compress_ratios``,
+        one per layer plus the MTP entry, and ``num_hash_layers``), without transformers (importing it costs
+        seconds); None for any other form, which transformers' ``DeepseekV4Config`` folds."""
+        try:
+            layers, ratios = config["num_hidden_layers"], config["compress_ratios"]
+            facts = cls(
+                num_layers=layers,
+                compress_ratios=tuple(ratios[:layers]),
+                num_hash_layers=config["num_hash_layers"],
+                n_routed_experts=config["n_routed_experts"],
+                num_mtp_layers=config.get("num_nextn_predict_layers") or 0,
+            )
+        except (KeyError, TypeError):
+            return None
+        numbers = (facts.num_layers, facts.num_hash_layers, facts.n_routed_experts, facts.num_mtp_layers)
+        plain = all(type(v) is int and v >= 0 for v in (*numbers, *facts.compress_ratios))
+        return facts if plain and len(facts.compress_ratios) == layers else None
+
+
 def _cfg(config: Any) -> Any:
     """Accept a native ``V4Config``, a transformers config or a ``config.json`` dict."""
     if hasattr(config, "compress_ratios") and hasattr(config, "num_hash_layers"):
@@ -466,6 +500,9 @@ def _cfg(config: Any) -> Any:
     from impl.native.config import V4Config
 
     if isinstance(config, Mapping):
+        facts = ManifestFacts.from_published(config)
+        if facts is not None:
+            return facts
         from transformers import DeepseekV4Config
 
         config = DeepseekV4Config(**dict(config))
