@@ -6,6 +6,7 @@ process, ``peft.PeftModel.from_pretrained(<transformers oracle>, adapter_dir)`` 
 merged (``merge_and_unload``) and unmerged through ``impl.load_peft_adapter`` (which registers the grouped LoRA layer
 for ``o_a_proj``) for the five-target adapter, and stock PEFT's unmerged forward for the four plain targets."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,62 @@ def test_trained_plain_four_target_adapter_reloads_in_peft_unmerged_with_native_
     run, ckpt, adapter_dir = _run(impl, tiny_ckpt_factory, "tp2-plain")
     impl.validate_adapter_dir(adapter_dir)
     _assert_peft_matches("tp2-plain", run, ckpt, adapter_dir, how="unmerged")
+
+
+def _renamed_shards(shards: Path, naming: str, case, out: Path) -> Path:
+    """The per-rank shards under another of Miles' namings: ``rank`` (HEAD: ``adapter_megatron_rank{r}.pt``, ranks
+    in Megatron's default order, tp fastest), ``stage-local`` (layer numbers local to each pipeline stage, as
+    Megatron's ``TransformerBlock`` names them; the native graph here numbers them globally)."""
+    import re
+
+    layer = re.compile(r"(decoder\.layers\.)(\d+)(\.)")
+    out.mkdir()
+    for f in sorted(shards.glob("adapter_megatron_tp*_pp*.pt")):
+        t, p = map(int, re.fullmatch(r"adapter_megatron_tp(\d+)_pp(\d+)\.pt", f.name).groups())
+        params = torch.load(f, weights_only=True)
+        if naming == "stage-local":
+            first = min(int(m[2]) for n in params if (m := layer.search(n)))
+            params = {layer.sub(lambda m, o=first: f"{m[1]}{int(m[2]) - o}{m[3]}", n, count=1): v
+                      for n, v in params.items()}  # fmt: skip
+        name = f"adapter_megatron_rank{t + case.tp * p}.pt" if naming == "rank" else f.name
+        torch.save(params, out / name)
+    return out
+
+
+def _convert(impl, *args):
+    from fixtures.subproc import run as run_cmd
+
+    return run_cmd([sys.executable, "-m", f"{impl.name}.cli", "convert-adapter", *map(str, args)], timeout=300)
+
+
+@pytest.mark.parametrize(
+    "layout,naming", [("tp2", "tp-pp"), ("tp2", "rank"), ("pp2", "tp-pp"), ("pp2", "stage-local"), ("pp2", "rank")]
+)
+def test_native_shards_saved_rank_by_rank_reassemble_into_an_adapter_with_the_native_logits(
+    impl, tiny_ckpt_factory, tmp_path, layout, naming
+):
+    """Miles' native LoRA checkpoint (each rank's own adapter parameters, ``torch.save``d: written here by the ranks
+    exactly as Miles' ``save_lora_checkpoint`` does) reassembled by ``convert-adapter`` must reload in PEFT with the
+    logits of the native model that saved it."""
+    run, ckpt, _ = _run(impl, tiny_ckpt_factory, layout)
+    shards = Path(run.case.native_shards_dir)
+    assert len(list(shards.glob("*.pt"))) == run.case.tp * run.case.pp, f"{layout}: {sorted(shards.iterdir())}"
+    src = shards if naming == "tp-pp" else _renamed_shards(shards, naming, run.case, tmp_path / naming)
+    args = ["--adapter", src, "--out", tmp_path / "out", "--alpha", run.case.alpha, "--base", ckpt]
+    done = _convert(impl, *args, *(["--tp", run.case.tp, "--pp", run.case.pp] if naming == "rank" else []))
+    assert done.returncode == 0, f"{layout}/{naming}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+    merged = lambda m, d: PeftModel.from_pretrained(m, str(d)).merge_and_unload()  # noqa: E731
+    _assert_peft_matches(layout, run, ckpt, tmp_path / "out", how=f"merged, from {naming} native shards", load=merged)
+
+
+def test_native_shards_with_ranks_missing_are_refused_and_nothing_is_written(impl, tiny_ckpt_factory, tmp_path):
+    run, _, _ = _run(impl, tiny_ckpt_factory, "tp2")
+    saved, src = Path(run.case.native_shards_dir), tmp_path / "shards"
+    src.mkdir()
+    (src / "adapter_megatron_tp0_pp0.pt").write_bytes((saved / "adapter_megatron_tp0_pp0.pt").read_bytes())
+    (src / "adapter_megatron_tp1_pp1.pt").write_bytes((saved / "adapter_megatron_tp1_pp0.pt").read_bytes())
+    done = _convert(impl, "--adapter", src, "--out", tmp_path / "out", "--alpha", run.case.alpha)
+    said = done.stdout + done.stderr
+    assert done.returncode == 1 and "Traceback" not in said, said
+    assert "NativeShardError" in said and "(0, 1)" in said, said
+    assert not (tmp_path / "out").exists(), "a refused conversion left an output"

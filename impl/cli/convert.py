@@ -6,6 +6,10 @@ only), refuses anything but a flat ``{name: tensor}`` dict (:class:`impl.errors.
 found), and publishes ``adapter_model.safetensors`` beside the unchanged ``adapter_config.json`` through the
 export's fail-closed atomic path (:func:`impl.adapter.files.publish_files`). The result is still uncertified
 (nothing proves its base); ``dsv4-lora export --adapter OUT --consumer ...`` re-publishes it for a consumer.
+
+A folder of native LoRA shards (Miles' ``adapter_megatron_tp{t}_pp{p}.pt`` / ``adapter_megatron_rank{r}.pt``, one per
+rank: :mod:`impl.adapter.native_shards`) is reassembled into the full adapter and published by the export itself
+(shapes checked against ``--base`` when given), in the dialect asked for.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from impl.errors import ConfigFileError, PickleAdapterError
+from impl.cli import output
+from impl.errors import ConfigFileError, Dsv4Error, PickleAdapterError
 
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt")
 
@@ -75,9 +80,54 @@ def convert_adapter(src: str | Path, out: str | Path) -> Path:
     return publish_files(out, {ADAPTER_FILE: payload, CONFIG_FILE: config.read_bytes()}, dialect="unrecorded")
 
 
+def _native_alpha(src: Path, alpha: float | None) -> float:
+    """The run's LoRA alpha: given, or from the ``adapter_config.json`` Miles writes beside its shards."""
+    import json
+
+    if alpha is not None:
+        return alpha
+    config = src / "adapter_config.json"
+    if config.is_file():
+        value = json.loads(config.read_text()).get("lora_alpha")
+        if isinstance(value, int | float) and value > 0:
+            return float(value)
+    raise ConfigFileError(
+        f"{src}: native shards do not hold LoRA alpha, and there is no adapter_config.json with lora_alpha beside "
+        "them; give --alpha as the run used it"
+    )
+
+
+def convert_native_shards(src: str | Path, out: str | Path, args: argparse.Namespace) -> Path:
+    """Reassemble native LoRA shards into one adapter and publish it with the fail-closed export."""
+    from impl.adapter.export import export_adapter
+    from impl.adapter.native_shards import read_native_shards
+
+    src = Path(src)
+    state = read_native_shards(src, alpha=_native_alpha(src, args.alpha), tp=args.tp, pp=args.pp)
+    shapes = None
+    if args.base:
+        from impl.conversion.headers import read_headers
+
+        shapes = {n: h.shape for n, h in read_headers(Path(args.base))[0].items()}
+    return export_adapter(
+        state, out, dialect=args.dialect, base_shapes=shapes, base_model_name_or_path=args.base, timeout_s=60
+    )
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
-    out = convert_adapter(args.adapter, args.out)
-    print(f"converted {args.adapter} to {out} (adapter_model.safetensors; adapter_config.json unchanged)")
+    from impl.adapter.native_shards import is_native_shard_dir
+
+    if args.source == "native-shards" or (args.source == "auto" and is_native_shard_dir(Path(args.adapter))):
+        try:
+            out = convert_native_shards(args.adapter, args.out, args)
+        except Dsv4Error as exc:  # the export wraps its phases' errors: name the cause, not the wrapper
+            cause = exc.__cause__ if isinstance(exc.__cause__, Dsv4Error) else exc
+            output.problem(f"convert-adapter FAILED: {type(cause).__name__}: {cause}")
+            return 1
+        print(f"reassembled the native shards of {args.adapter} into {out} ({args.dialect} dialect)")
+    else:
+        out = convert_adapter(args.adapter, args.out)
+        print(f"converted {args.adapter} to {out} (adapter_model.safetensors; adapter_config.json unchanged)")
     print(f"next: dsv4-lora verify-adapter --base BASE --adapter {out}")
     return 0
 
@@ -92,6 +142,25 @@ def add_convert_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None
         "tensors, and publishes adapter_model.safetensors with the unchanged adapter_config.json atomically "
         "(fail-closed, .complete last). Nothing else ever unpickles an adapter.",
     )
-    c.add_argument("--adapter", required=True, help="PEFT adapter directory holding adapter_model.bin (or *.pt)")
+    c.add_argument(
+        "--adapter",
+        required=True,
+        help="PEFT adapter directory holding adapter_model.bin (or *.pt), or a folder of native LoRA shards "
+        "(adapter_megatron_tp{t}_pp{p}.pt / adapter_megatron_rank{r}.pt)",
+    )
     c.add_argument("--out", required=True, help="destination directory (replaced atomically)")
+    c.add_argument(
+        "--from",
+        dest="source",
+        choices=("auto", "peft-pickle", "native-shards"),
+        default="auto",
+        help="what --adapter holds (auto: native shards where there are any)",
+    )
+    c.add_argument("--alpha", type=float, help="native shards: the run's LoRA alpha (else adapter_config.json's)")
+    c.add_argument("--tp", type=int, help="native shards named by rank: the run's tensor-parallel size")
+    c.add_argument("--pp", type=int, help="native shards named by rank: the run's pipeline-parallel size")
+    c.add_argument("--base", help="native shards: the base checkpoint, to check every shape against it")
+    c.add_argument(
+        "--dialect", default="transformers", choices=("transformers", "official", "sglang"), help="native shards"
+    )
     c.set_defaults(func=cmd_convert)
