@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install the serving engines whose own code judges our exported adapters (suites/test_consumers.py), each in an
-# environment of its own: .consumers/<name> (ignored by git).
-#   scripts/install_consumers.sh [vllm] [sglang]        default: both
-# Each is Python 3.11 + requirements/consumers-<name>.txt installed with --no-deps: the engine's real wheel from
+# Install the other projects whose own code judges our exported adapters (the serving engines: suites/test_consumers.py)
+# or produces adapters we judge (NeMo AutoModel: suites/test_producer_nemo.py), each in an environment of its own:
+# .consumers/<name> (ignored by git).
+#   scripts/install_consumers.sh [vllm] [sglang] [nemo-automodel]        default: all three
+# Each is Python 3.11 + requirements/{consumers,producers}-<name>.txt installed with --no-deps: the project's real wheel from
 # the package index and only what its LoRA-loading and model modules import on a CPU host (not a working
 # server; the full dependency sets pull CUDA builds and several GB). An environment whose requirements file is
 # unchanged is reused. The main .venv is untouched.
@@ -12,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${DSV4_CONSUMERS_DIR:-.consumers}
 NAMES=("$@")
-[ ${#NAMES[@]} -gt 0 ] || NAMES=(vllm sglang)
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(vllm sglang nemo-automodel)
 
 find_python311() {
   for cand in python3.11 "$HOME/.pyenv/versions/3.11.7/bin/python3.11" "$HOME"/.pyenv/versions/3.11.*/bin/python3.11 \
@@ -29,7 +30,8 @@ find_python311() {
 
 install_one() {
   local name=$1 req="requirements/consumers-$1.txt" env="$DIR/$1" start spec
-  [ -f "$req" ] || { echo "error: no $req (known consumers: vllm, sglang)" >&2; return 1; }
+  [ -f "$req" ] || req="requirements/producers-$1.txt"
+  [ -f "$req" ] || { echo "error: no requirements/{consumers,producers}-$1.txt (known: vllm, sglang, nemo-automodel)" >&2; return 1; }
   spec=$(sha256sum "$req" | cut -d' ' -f1)
   if [ -f "$env/.consumer-spec" ] && [ "$(cat "$env/.consumer-spec")" = "$spec" ]; then
     echo "install_consumers: $env is up to date ($req unchanged)"
