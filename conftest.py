@@ -35,6 +35,8 @@ MARKERS = {
     "bridge_path": "a command-line run through the whole bridge path (qualify: strict load, LoRA, gather, export, "
     "reload): a Bridge pin runs it although it is slow",
     "transformers": "its file uses transformers or PEFT (the oracle, reloads, PEFT producers): found in its source",
+    "consumer_env": "runs another project's code in its own environment (.consumers/: vLLM, SGLang): a lane that "
+    "changes only this project's side (the latest lane) leaves it to the main lane",
 }
 #: what marks a test file ``transformers`` (the latest lane's Bridge half runs those)
 _USES_TRANSFORMERS = re.compile(r"\b(load_oracle|transformers|peft|PeftModel)\b")

@@ -6,7 +6,6 @@ process, ``peft.PeftModel.from_pretrained(<transformers oracle>, adapter_dir)`` 
 merged (``merge_and_unload``) and unmerged through ``impl.load_peft_adapter`` (which registers the grouped LoRA layer
 for ``o_a_proj``) for the five-target adapter, and stock PEFT's unmerged forward for the four plain targets."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -125,17 +124,21 @@ def _renamed_shards(shards: Path, naming: str, case, out: Path) -> Path:
     return out
 
 
-def _convert(impl, *args):
-    from fixtures.subproc import run as run_cmd
+def _convert(impl, capfd, *args) -> tuple[int, str]:
+    """``dsv4-lora convert-adapter ARGS`` in this process (the command's own entry point): exit status, output."""
+    import importlib
 
-    return run_cmd([sys.executable, "-m", f"{impl.name}.cli", "convert-adapter", *map(str, args)], timeout=300)
+    capfd.readouterr()
+    status = importlib.import_module(f"{impl.name}.cli.main").main(["convert-adapter", *map(str, args)])
+    said = capfd.readouterr()
+    return status, said.out + said.err
 
 
 @pytest.mark.parametrize(
     "layout,naming", [("tp2", "tp-pp"), ("tp2", "rank"), ("pp2", "tp-pp"), ("pp2", "stage-local"), ("pp2", "rank")]
 )
 def test_native_shards_saved_rank_by_rank_reassemble_into_an_adapter_with_the_native_logits(
-    impl, tiny_ckpt_factory, tmp_path, layout, naming
+    impl, tiny_ckpt_factory, tmp_path, capfd, layout, naming
 ):
     """Miles' native LoRA checkpoint (each rank's own adapter parameters, ``torch.save``d: written here by the ranks
     exactly as Miles' ``save_lora_checkpoint`` does) reassembled by ``convert-adapter`` must reload in PEFT with the
@@ -145,20 +148,21 @@ def test_native_shards_saved_rank_by_rank_reassemble_into_an_adapter_with_the_na
     assert len(list(shards.glob("*.pt"))) == run.case.tp * run.case.pp, f"{layout}: {sorted(shards.iterdir())}"
     src = shards if naming == "tp-pp" else _renamed_shards(shards, naming, run.case, tmp_path / naming)
     args = ["--adapter", src, "--out", tmp_path / "out", "--alpha", run.case.alpha, "--base", ckpt]
-    done = _convert(impl, *args, *(["--tp", run.case.tp, "--pp", run.case.pp] if naming == "rank" else []))
-    assert done.returncode == 0, f"{layout}/{naming}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+    status, said = _convert(
+        impl, capfd, *args, *(["--tp", run.case.tp, "--pp", run.case.pp] if naming == "rank" else [])
+    )
+    assert status == 0, f"{layout}/{naming}: {said[-3000:]}"
     merged = lambda m, d: PeftModel.from_pretrained(m, str(d)).merge_and_unload()  # noqa: E731
     _assert_peft_matches(layout, run, ckpt, tmp_path / "out", how=f"merged, from {naming} native shards", load=merged)
 
 
-def test_native_shards_with_ranks_missing_are_refused_and_nothing_is_written(impl, tiny_ckpt_factory, tmp_path):
+def test_native_shards_with_ranks_missing_are_refused_and_nothing_is_written(impl, tiny_ckpt_factory, tmp_path, capfd):
     run, _, _ = _run(impl, tiny_ckpt_factory, "tp2")
     saved, src = Path(run.case.native_shards_dir), tmp_path / "shards"
     src.mkdir()
     (src / "adapter_megatron_tp0_pp0.pt").write_bytes((saved / "adapter_megatron_tp0_pp0.pt").read_bytes())
     (src / "adapter_megatron_tp1_pp1.pt").write_bytes((saved / "adapter_megatron_tp1_pp0.pt").read_bytes())
-    done = _convert(impl, "--adapter", src, "--out", tmp_path / "out", "--alpha", run.case.alpha)
-    said = done.stdout + done.stderr
-    assert done.returncode == 1 and "Traceback" not in said, said
+    status, said = _convert(impl, capfd, "--adapter", src, "--out", tmp_path / "out", "--alpha", run.case.alpha)
+    assert status == 1 and "Traceback" not in said, said
     assert "NativeShardError" in said and "(0, 1)" in said, said
     assert not (tmp_path / "out").exists(), "a refused conversion left an output"

@@ -110,7 +110,10 @@ def test_a_shard_written_just_before_it_is_hashed_is_never_remembered(impl, tmp_
     os.utime(shard)  # written now, whatever the host's load made of the write's time
     _, first = _opens_of(shard, lambda: impl.base_fingerprint(tmp_path / "base", TARGETS))
     _, second = _opens_of(shard, lambda: impl.base_fingerprint(tmp_path / "base", TARGETS))
-    assert second == first, f"a just-written shard was opened {first}x, then {second}x: digests were remembered"
+    assert first >= len(TARGETS) and second >= len(TARGETS), (
+        f"a just-written shard was opened {first}x, then {second}x: fewer than once per tensor ({len(TARGETS)}), "
+        "so its digests were remembered"
+    )
 
 
 @pytest.mark.parametrize("broken", ["garbage entries", "a file where the folder should be", "off"])

@@ -27,7 +27,7 @@ from fixtures.asserts import assert_effect_exceeds
 from fixtures.consumers import numerics as nm
 from fixtures.consumers import require_consumer_env
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("consumers")]
+pytestmark = [pytest.mark.cpu, pytest.mark.consumer_env, pytest.mark.xdist_group("consumers")]
 
 APPLIED_TARGETS = ("wq_a", "wq_b", "wkv", "wo_b")
 #: |fraction| below this: vLLM's output holds none of the delta beyond bf16 noise; above 1 - this: all of it

@@ -32,7 +32,7 @@ from fixtures.consumers import (
     run_probe,
 )
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("consumers")]
+pytestmark = [pytest.mark.cpu, pytest.mark.consumer_env, pytest.mark.xdist_group("consumers")]
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -73,6 +73,7 @@ def test_a_refused_state_publishes_nothing_and_the_previous_version_stays(impl):
 
 
 @pytest.mark.xdist_group("consumers")
+@pytest.mark.consumer_env
 def test_vllm_loads_every_version_from_its_tensors(impl, tmp_path):
     """vLLM 0.33's own in-memory entry point (``LoRAModel.from_lora_tensors``, with the V4 model's weights mapper
     and skip prefixes; ``fixtures/consumers/probe_vllm_tensors.py`` in the vLLM environment) builds every module of

@@ -13,6 +13,7 @@ the base fingerprint) is its own line: an adapter without them is *uncertified*,
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,13 +51,34 @@ def _official_base_of(module: str) -> str | None:
     return None if place is None else place.official_weight
 
 
+_NUMBER = re.compile(r"\d+")
+
+
 def _dialect_paths(headers: dict[str, Any], dialect: str) -> dict[str, str]:
-    """Dialect module path -> official weight name, for every 2-D base weight PEFT could wrap in ``dialect``."""
-    out = {}
+    """Dialect module path -> official weight name, for every 2-D base weight PEFT could wrap in ``dialect``.
+
+    A full-size base has ~34k such weights, nearly all per-expert ones of a few name families: where a family's
+    first name maps with its layer/expert numbers carried over in order, the rest of the family is filled in from
+    that template instead of being resolved one by one."""
+    out: dict[str, str] = {}
+    families: dict[str, str | None] = {}  # family -> module template, or "" where the dialect has no such module
     for name, (shape, _) in headers.items():
         if not name.endswith(".weight") or len(shape) != 2:
             continue
-        module = dialect_module(name.removesuffix(".weight"), dialect)
+        official = name.removesuffix(".weight")
+        numbers = _NUMBER.findall(official)
+        family = _NUMBER.sub("#", official)
+        template = families.get(family)
+        if template == "":
+            continue
+        if template is not None:
+            module = template.replace("#", "{}").format(*numbers)
+        else:
+            module = dialect_module(official, dialect)
+            if family not in families and (module is None or _NUMBER.findall(module) == numbers):
+                families[family] = "" if module is None else _NUMBER.sub("#", module)
+            else:
+                families[family] = None  # numbers not carried over in order: resolve each name
         if module is not None:
             out[module] = name
     return out

@@ -36,8 +36,36 @@ def shard_files(ckpt_dir: Path) -> list[Path]:
     return files
 
 
+#: headers already parsed in this process, by file identity: one command reads a base's headers in several checks
+_PARSED: dict[tuple, list[tuple[str, Header]]] = {}
+
+
 def read_file_header(file: Path) -> list[tuple[str, Header]]:
     """Every (name, header) of one safetensors file in header order (a name written twice appears twice)."""
+    try:
+        st = os.stat(file)
+        key = (
+            os.path.realpath(file),
+            st.st_dev,
+            st.st_ino,
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+            Path(file).name,
+        )
+    except OSError:
+        key = None
+    if key in _PARSED:
+        return list(_PARSED[key])
+    found = _parse_file_header(Path(file))
+    if key is not None:
+        if len(_PARSED) >= 512:
+            _PARSED.clear()
+        _PARSED[key] = found
+    return list(found)
+
+
+def _parse_file_header(file: Path) -> list[tuple[str, Header]]:
     try:
         with open(file, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
