@@ -193,6 +193,13 @@ def parse_native(name: str, table: TargetTable = TARGET_TABLE) -> NativeAdapterN
     )
 
 
+def native_adapter_name(name: str) -> str:
+    """Strip DDP/Float16 ``module.`` prefixes and ``.to_wrap`` hops from a LoRA parameter name."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name.replace(".to_wrap.", ".")
+
+
 def native_name(layer: int | None, row: TargetRow, half: str) -> str:
     """Inverse of :func:`parse_native`: the native (Miles layout) LoRA parameter name of half ``"A"`` or ``"B"``."""
     scope = "mtp.layers.0.mtp_model_layer" if layer is None else f"decoder.layers.{layer}"

@@ -32,7 +32,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from impl.adapter.build import AdapterState
-from impl.adapter.dialects import match_native
+from impl.adapter.dialects import match_native, native_adapter_name
 from impl.errors import ExportError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
@@ -48,13 +48,6 @@ def unwrap_chunk(chunk: nn.Module) -> nn.Module:
     while hasattr(chunk, "module") and isinstance(chunk.module, nn.Module):
         chunk = chunk.module
     return chunk
-
-
-def native_adapter_name(name: str) -> str:
-    """Strip DDP/Float16 ``module.`` prefixes and ``.to_wrap`` hops from a LoRA parameter name."""
-    while name.startswith("module."):
-        name = name[len("module.") :]
-    return name.replace(".to_wrap.", ".")
 
 
 def _lora_hparams(handle_or_lora: Any) -> tuple[Any, list[list[str]] | None]:

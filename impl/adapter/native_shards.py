@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from impl.adapter.build import AdapterState
-from impl.adapter.dialects import native_name, parse_native
+from impl.adapter.dialects import native_adapter_name, native_name, parse_native
 from impl.errors import ExportError, PickleAdapterError
 from impl.lora.vocabulary import ParallelStyle
 
@@ -85,10 +85,7 @@ def _load(file: Path) -> dict[str, torch.Tensor]:
     for name, t in obj.items():
         if not is_adapter_param_name(name):
             continue
-        bare = name
-        while bare.startswith("module."):
-            bare = bare.removeprefix("module.")
-        out[bare.replace(".to_wrap.", ".")] = t.detach().clone()
+        out[native_adapter_name(name)] = t.detach().clone()
     return out
 
 
