@@ -17,15 +17,12 @@ export or the old one, never a mix).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from impl.adapter.build import AdapterState, BuildOptions
+from impl.adapter.exchange import StatusExchange
 from impl.adapter.files import COMPLETE_MARKER
 from impl.adapter.phases import EXPORT_PHASES, ExportContext, after_commit, roll_back
 from impl.errors import ExportError
@@ -33,72 +30,6 @@ from impl.errors import ExportError
 
 class CollectiveExportError(ExportError):
     """The export failed on one or more ranks; the message names each rank, its phase and cause."""
-
-
-#: Before blocking in the store's own wait, poll this long: a peer with nothing to do in a phase answers within a
-#: millisecond or two, and FileStore's wait (the file:// rendezvous) looks only every 10 ms.
-_POLL_S, _POLL_EVERY_S = 0.02, 0.001
-
-
-class _Exchange:
-    """Per-phase status exchange over the default group's store, with a deadline; never poisons the group.
-
-    A phase costs a rank a handful of store operations (post, wait for all, read all, check for an abort), not two
-    per peer; a world of one rank needs no store at all."""
-
-    _seq = 0
-
-    def __init__(self, timeout_s: float):
-        _Exchange._seq += 1
-        self.timeout_s = timeout_s
-        dist = torch.distributed
-        self.rank, self.world, self.store = 0, 1, None
-        if dist.is_available() and dist.is_initialized():
-            from torch.distributed import distributed_c10d
-
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
-            if self.world > 1:
-                self.store = distributed_c10d._get_default_store()
-        self.prefix = f"dsv4_export/{_Exchange._seq}/"
-
-    def agree(self, phase: str, status: str) -> list[str]:
-        """Post this rank's status for ``phase`` and return every rank's failure (same list on every rank)."""
-        if self.store is None:
-            return [f"rank {self.rank}: {status}"] if status else []
-        keys = [f"{self.prefix}{phase}/{r}" for r in range(self.world)]
-        try:
-            self.store.set(keys[self.rank], status or "ok")
-            missing = self._missing(keys)
-            present = [r for r in range(self.world) if r not in missing]
-            values = dict(zip(present, self.store.multi_get([keys[r] for r in present]), strict=True))
-            failures = [
-                f"rank {r}: no response within {self.timeout_s:g}s in phase {phase} (dead or hung)"
-                if r in missing
-                else f"rank {r}: {values[r].decode()}"
-                for r in range(self.world)
-                if r in missing or values[r] != b"ok"
-            ]
-            if failures:
-                self.store.set(f"{self.prefix}abort", "1")
-            elif self.store.check([f"{self.prefix}abort"]):
-                failures.append(f"export aborted by a peer that timed out before phase {phase}")
-            return failures
-        except Exception:  # the store itself is gone: the rank hosting it (rank 0 by default) died
-            return [f"rank 0: no response within {self.timeout_s:g}s in phase {phase} (store host dead or hung)"]
-
-    def _missing(self, keys: list[str]) -> set[int]:
-        """Wait until every rank has posted or the deadline passed; the ranks that never posted."""
-        deadline = time.monotonic() + self.timeout_s
-        poll_until = min(deadline, time.monotonic() + _POLL_S)
-        while time.monotonic() < poll_until:
-            if self.store.check(keys):
-                return set()
-            time.sleep(_POLL_EVERY_S)
-        try:
-            self.store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            return set()
-        except Exception:  # store timeout: some rank never posted; find which
-            return {r for r, key in enumerate(keys) if not self.store.check([key])}
 
 
 PhaseTable = Sequence[tuple[str, Callable[[ExportContext], None]]]
@@ -144,7 +75,7 @@ def export_adapter(
     misrouted; ``allow_unapplied=True`` exports anyway and records those targets in the safetensors metadata
     ``dsv4_consumer``."""
     _check_phases(phases)
-    ex = _Exchange(timeout_s)
+    ex = StatusExchange(timeout_s, topic="dsv4_export")
     if not 0 <= writer_rank < ex.world:
         raise ExportError(f"writer_rank={writer_rank} is outside the world of {ex.world} ranks")
     options = BuildOptions(**options)

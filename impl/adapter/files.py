@@ -56,9 +56,12 @@ def config_text(config: Mapping[str, Any]) -> str:
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
-def write_marker(out_dir: Path, dialect: str, hashes: Mapping[str, str]) -> None:
-    """Durably write ``out_dir/.complete`` certifying ``hashes`` (tmp + fsync + rename + directory fsync)."""
-    marker = {"format": MARKER_FORMAT, "version": 1, "dialect": dialect, "files": dict(hashes)}
+def write_marker(out_dir: Path, dialect: str | None, hashes: Mapping[str, str], *, kind: str = MARKER_FORMAT) -> None:
+    """Durably write ``out_dir/.complete`` certifying ``hashes`` (tmp + fsync + rename + directory fsync); ``kind``
+    is what the directory is (an adapter, or :mod:`impl.lora.checkpoint`'s training checkpoint)."""
+    marker = {"format": kind, "version": 1, "files": dict(hashes)}
+    if dialect is not None:
+        marker["dialect"] = dialect
     tmp = out_dir / (COMPLETE_MARKER + ".tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(marker, indent=2, sort_keys=True) + "\n")
@@ -105,9 +108,11 @@ def recover_export_dir(out_dir: str | os.PathLike) -> str:
     return "; ".join(actions) or "nothing to recover"
 
 
-def publish_files(out_dir: str | os.PathLike, files: Mapping[str, bytes], dialect: str) -> Path:
+def publish_files(
+    out_dir: str | os.PathLike, files: Mapping[str, bytes], dialect: str | None, *, kind: str = MARKER_FORMAT
+) -> Path:
     """Publish ``files`` (name -> bytes) as the directory ``out_dir`` by the protocol above, for a writer that is
-    not the collective export (``dsv4-lora convert-adapter``): crash leftovers rolled back, staging written and
+    not the collective export (``dsv4-lora convert-adapter``, a training checkpoint's writer): crash leftovers rolled back, staging written and
     fsynced, old destination set aside, staging renamed in, marker, commit. On any failure before the commit the
     destination is restored exactly."""
     out = Path(os.path.abspath(out_dir))
@@ -124,7 +129,7 @@ def publish_files(out_dir: str | os.PathLike, files: Mapping[str, bytes], dialec
         set_aside(out)
         os.replace(staging, out)
         fsync_path(out.parent)
-        write_marker(out, dialect, {name: hashlib.sha256(data).hexdigest() for name, data in files.items()})
+        write_marker(out, dialect, {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}, kind=kind)
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(old, trash)  # the commit point
     except BaseException:

@@ -23,7 +23,7 @@ import impl.compat.active  # noqa: F401  (the CPU compat layer must precede ever
 
 # isort: split
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,15 @@ from impl.adapter.dialects import match_native, native_adapter_name
 from impl.errors import ExportError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
-__all__ = ["AdapterGatherError", "gather_adapter_state", "native_adapter_name", "unwrap_chunk"]
+__all__ = [
+    "AdapterGatherError",
+    "adapter_parameters",
+    "gather_adapter_state",
+    "gather_full",
+    "merge_stages",
+    "native_adapter_name",
+    "unwrap_chunk",
+]
 
 
 class AdapterGatherError(ExportError):
@@ -61,8 +69,8 @@ def _lora_hparams(handle_or_lora: Any) -> tuple[Any, list[list[str]] | None]:
     return lora, getattr(handle_or_lora, "wrapped", None)
 
 
-def _tp_gather(name: str, param: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    local = param.detach()
+def _tp_gather(param: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    local = value.detach()
     size = dist.get_world_size(group) if (group is not None and dist.is_initialized()) else 1
     if size == 1 or not getattr(param, "tensor_model_parallel", False):
         return local.to("cpu").clone()
@@ -79,9 +87,9 @@ def _adapter_tp_group(module: nn.Module) -> dist.ProcessGroup | None:
     return group
 
 
-def _local_full_tensors(chunks: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """This stage's adapter tensors, TP-gathered (collective over the TP group, same order on every TP rank)."""
-    out: dict[str, torch.Tensor] = {}
+def adapter_parameters(chunks: Sequence[nn.Module]) -> Iterator[tuple[str, nn.Parameter, dist.ProcessGroup | None]]:
+    """This rank's LoRA parameters: (native global name, parameter, its TP group), in module order (the same on
+    every rank of a TP group)."""
     for chunk in chunks:
         bare = unwrap_chunk(chunk)
         for mod_name, module in bare.named_modules():
@@ -90,23 +98,40 @@ def _local_full_tensors(chunks: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
                 continue
             group = _adapter_tp_group(adapter)
             for half in ("linear_in", "linear_out"):
-                param = getattr(adapter, half).weight
-                name = native_adapter_name(f"{mod_name}.adapter.{half}.weight")
-                if name in out:
-                    raise AdapterGatherError(f"{name} appears twice in this rank's chunks; virtual stages overlap")
-                out[name] = _tp_gather(name, param, group)
+                yield native_adapter_name(f"{mod_name}.adapter.{half}.weight"), getattr(adapter, half).weight, group
+
+
+def gather_full(
+    chunks: Sequence[nn.Module], value: Callable[[nn.Parameter], torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """This stage's adapter tensors, TP-gathered (collective over the TP group, same order on every TP rank);
+    ``value(param)``: a tensor laid out like the parameter to gather instead of it (an optimizer moment)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param, group in adapter_parameters(chunks):
+        if name in out:
+            raise AdapterGatherError(f"{name} appears twice in this rank's chunks; virtual stages overlap")
+        out[name] = _tp_gather(param, param if value is None else value(param), group)
     return out
 
 
-def _stage_merge(local: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
-        return [local]
-    group = parallel_state.get_pipeline_model_parallel_group()
-    if dist.get_world_size(group) == 1:
-        return [local]
-    stages: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, local, group=group)
-    return stages
+def merge_stages(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's TP-gathered tensors merged, on every rank (collective over the pipeline group)."""
+    stages: list[Any] = [local]
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_pipeline_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            stages = [None] * dist.get_world_size(group)
+            dist.all_gather_object(stages, local, group=group)
+    merged: dict[str, torch.Tensor] = {}
+    for stage, tensors in enumerate(stages):
+        for name, t in tensors.items():
+            if name in merged and not torch.equal(merged[name], t):
+                raise AdapterGatherError(
+                    f"{name}: pipeline stage {stage} holds a different value than an earlier stage; layers must be "
+                    "owned by exactly one stage (check the pipeline layout)"
+                )
+            merged[name] = t
+    return dict(sorted(merged.items()))
 
 
 def _declared(names: Sequence[str], table: TargetTable = TARGET_TABLE) -> tuple[list[str], dict[str, set[int]], bool]:
@@ -139,20 +164,10 @@ def gather_adapter_state(
     """
     lora, _ = _lora_hparams(handle_or_lora)
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    stages = _stage_merge(_local_full_tensors(chunks))
+    merged = merge_stages(gather_full(chunks))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if writer_rank is not None and rank != writer_rank:
         return None
-    merged: dict[str, torch.Tensor] = {}
-    for stage, tensors in enumerate(stages):
-        for name, t in tensors.items():
-            if name in merged and not torch.equal(merged[name], t):
-                raise AdapterGatherError(
-                    f"{name}: pipeline stage {stage} holds a different value than an earlier stage; layers must be "
-                    "owned by exactly one stage (check the pipeline layout)"
-                )
-            merged[name] = t
-    merged = dict(sorted(merged.items()))
     order, leaves, plain = _declared(list(merged))
     num_layers = getattr(getattr(unwrap_chunk(chunks[0]), "v4_config", None), "num_layers", None)
     full_cover = num_layers is not None and plain and all(leaves[leaf] == set(range(num_layers)) for leaf in order)

@@ -74,7 +74,8 @@ class AdapterOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient (``set_to_none`` is accepted as torch optimizers take it; they are always dropped)."""
         for p in self.params:
             p.grad = None
         for m in self.masters:
