@@ -231,7 +231,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "TargetRow",
         "TargetTable",
     ),
-    "impl.adapter.publication": ("AdapterPublisher", "Publication", "tensor_checksum"),
+    "impl.adapter.publication": ("AdapterPublisher", "Publication", "PublicationError", "tensor_checksum"),
     "impl.cli.main": ("build_parser",),
     "impl.cli.tested": ("LANES", "untested_line", "untested_versions"),
     "impl.cli.verify": (

@@ -7,18 +7,29 @@ each :meth:`~AdapterPublisher.publish` validates exactly as the file export does
 only then takes version ``previous + 1``; the published tensors are copies that share no storage with the live
 parameters (the next optimizer step changes the parameters in place: an alias would change what the engine holds),
 and carry their checksums. A refused state publishes nothing: the version and the current publication stay.
+
+:meth:`~AdapterPublisher.publish_model` is the collective form a trainer calls on every rank after a step: each rank
+first checks its own shards (a NaN is named by the rank that holds it), the ranks agree, the adapter is gathered
+to the writer, validated and published there, and the ranks agree again; a failure anywhere raises the same
+:class:`PublicationError` on every rank within the timeout, and every rank keeps the previous version.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from impl.adapter.build import AdapterState, publish_in_memory, raw_bytes
+from impl.adapter.build import AdapterState, NonFiniteAdapterError, all_finite, publish_in_memory, raw_bytes
+from impl.adapter.exchange import StatusExchange, join_failures
+from impl.errors import ExportError
+
+
+class PublicationError(ExportError):
+    """A collective publication failed on one or more ranks (named, with the cause); nothing was published."""
 
 
 @dataclass(frozen=True)
@@ -44,11 +55,12 @@ class AdapterPublisher:
     def __init__(self, **options: Any):
         self._options = options
         self._current: Publication | None = None
+        self._version = 0
 
     @property
     def version(self) -> int:
-        """The current version (0 before the first publication)."""
-        return 0 if self._current is None else self._current.version
+        """The current version (0 before the first publication); the same on every rank of a collective publisher."""
+        return self._version
 
     @property
     def current(self) -> Publication | None:
@@ -56,11 +68,58 @@ class AdapterPublisher:
 
     def publish(self, state: AdapterState | Mapping[str, AdapterState]) -> Publication:
         """Validate and publish ``state`` as the next version; raises the export's typed error (nothing changes)."""
-        tensors, config = publish_in_memory(state, **self._options)
-        owned = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
-        sums = {name: tensor_checksum(t) for name, t in owned.items()}
-        self._current = Publication(self.version + 1, owned, config, sums)
+        self._current = self._prepare(state)
+        self._version = self._current.version
         return self._current
 
+    def publish_model(
+        self, model_chunks: Sequence[Any], handle: Any, *, writer_rank: int = 0, timeout_s: float = 60.0
+    ) -> Publication | None:
+        """Collective: publish the adapter of ``model_chunks`` as the next version (see the module); returns the
+        publication on ``writer_rank``, None elsewhere. Call on every rank; every rank's :attr:`version` advances."""
+        from impl.adapter.gather import adapter_parameters, gather_adapter_state
 
-__all__ = ["AdapterPublisher", "Publication", "tensor_checksum"]
+        ex = StatusExchange(timeout_s, topic="dsv4_publication")
+        chunks = list(model_chunks)
+
+        def own_shards() -> None:
+            for name, param, _ in adapter_parameters(chunks):
+                if not all_finite(param.detach()):
+                    raise NonFiniteAdapterError(f"{name} holds NaN or Inf on this rank; nothing published")
+
+        _agreed(ex, "check", own_shards, self._version)
+        writer = ex.rank == writer_rank
+
+        def gather_and_publish() -> Publication | None:
+            state = gather_adapter_state(chunks, handle, writer_rank=writer_rank)
+            return self._prepare(state) if writer else None
+
+        candidate = _agreed(ex, "publish", gather_and_publish, self._version)
+        self._version += 1
+        if writer:
+            self._current = candidate
+        return candidate
+
+    def _prepare(self, state: AdapterState) -> Publication:
+        tensors, config = publish_in_memory(state, **self._options)
+        owned = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+        return Publication(self._version + 1, owned, config, {n: tensor_checksum(t) for n, t in owned.items()})
+
+
+def _agreed(ex: StatusExchange, phase: str, run: Callable[[], Any], version: int) -> Any:
+    """``run()`` on this rank, then the ranks agree; the same :class:`PublicationError` everywhere on a failure."""
+    result, status, cause = None, "", None
+    try:
+        result = run()
+    except Exception as exc:  # agreed across ranks below, then raised identically everywhere
+        status, cause = f"{type(exc).__name__}: {exc}", exc
+    failures = ex.agree(phase, status)
+    if failures:
+        raise PublicationError(
+            f"publication of version {version + 1} failed in phase {phase}: {join_failures(failures)}. Nothing was "
+            f"published; version {version} stays current."
+        ) from cause
+    return result
+
+
+__all__ = ["AdapterPublisher", "Publication", "PublicationError", "tensor_checksum"]
