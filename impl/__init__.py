@@ -231,6 +231,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "TargetRow",
         "TargetTable",
     ),
+    "impl.adapter.versions": ("POINTER", "PublishedVersionError", "publish_version", "resolve_current", "version_dirs"),
     "impl.adapter.publication": ("AdapterPublisher", "Publication", "PublicationError", "tensor_checksum"),
     "impl.cli.main": ("build_parser",),
     "impl.cli.tested": ("LANES", "untested_line", "untested_versions"),

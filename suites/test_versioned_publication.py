@@ -1,0 +1,119 @@
+"""Publication to disk while a server reads (issue 26, point 4): versioned immutable directories, one pointer.
+
+``impl.publish_version`` exports each version to its own directory and then points ``root/current`` at it;
+``impl.resolve_current`` is the one resolution a reader makes. Proven here: a reader process loading in a loop
+with stock PEFT during 100 publications never pairs two versions' files nor reads a partial one; retention keeps
+the newest K and every version that was current within the grace (derived below from the publication times); a
+publisher SIGKILLed at each step of the pointer protocol leaves ``current`` at a complete version, and the next
+publication clears what it left.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fixtures.adapter_states import make_native_adapter
+from fixtures.faults import kill_on_rank
+
+pytestmark = pytest.mark.cpu
+
+SHAPES = {"wq_a": (48, 64), "wkv": (32, 64), "wo_b": (64, 32)}
+LAYERS, R = 2, 4
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _version_state(impl, version: int):
+    """Version ``version``'s adapter, its files tied together: lora_alpha = version = every lora_B's first value."""
+    tensors = make_native_adapter(SHAPES, LAYERS, R, seed=version)
+    for name, t in tensors.items():
+        if "linear_out" in name:
+            t.reshape(-1)[0] = float(version)
+    return impl.AdapterState(tensors, r=R, alpha=float(version))
+
+
+def test_a_reader_loading_in_a_loop_never_pairs_two_versions_or_reads_a_partial_file(impl, tmp_path):
+    root = tmp_path / "published"
+    out = tmp_path / "reader.json"
+    reader = subprocess.Popen(
+        [sys.executable, str(REPO / "fixtures" / "version_reader.py"), "--root", str(root), "--out", str(out)],
+        cwd=REPO,
+    )
+    try:
+        impl.publish_version(_version_state(impl, 1), root, keep=3, grace_s=5.0)
+        deadline = time.monotonic() + 120
+        while not (root / ".reader-ready").exists() and reader.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for version in range(2, 101):
+            impl.publish_version(_version_state(impl, version), root, keep=3, grace_s=5.0)
+    finally:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / ".stop").touch()
+        reader.wait(timeout=120)
+    got = json.loads(out.read_text())
+    assert got["problems"] == [], f"the reader saw torn or partial versions: {got['problems']}"
+    assert got["loads"] >= 10 and len(got["versions"]) >= 3, (
+        f"the reader loaded {got['loads']} times, {len(got['versions'])} versions: too few to prove anything"
+    )
+    assert impl.resolve_current(root).name == "v00000100", impl.resolve_current(root)
+
+
+def test_retention_keeps_the_newest_k_and_every_version_current_within_the_grace(impl, tmp_path):
+    """Version v is published at time v and stops being current at v + 1. Publishing version 8 (time 8) with
+    keep=2 and grace 2.5 keeps 7 and 8 (the newest two), and 6 and 5 (current until 7 and 6, within 2.5 of 8);
+    4 and older go (current until 5 or earlier)."""
+    root = tmp_path / "published"
+    for version in range(1, 9):
+        impl.publish_version(_version_state(impl, version), root, keep=2, grace_s=2.5, clock=lambda v=version: v)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("v")) == [f"v{v:08d}" for v in (5, 6, 7, 8)]
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".trash")], "a deleted version left a trash dir"
+
+
+#: (what was done when the publisher died, the call it died before, which of its calls)
+KILL_POINTS = {
+    "inside-the-export": ("replace", lambda n, a: ".dsv4-staging" in str(a[0])),
+    "export-committed-no-link-yet": ("symlink", lambda n, a: True),
+    "link-made-not-renamed-in": ("replace", lambda n, a: str(a[0]).endswith(".current.tmp")),
+    "link-renamed-in-history-not-written": ("replace", lambda n, a: str(a[0]).endswith(".history.json.tmp")),
+    "retention-moving-a-version-out": ("replace", lambda n, a: Path(a[1]).name.startswith(".trash-")),
+    "retention-deleting-a-version": ("rmtree", lambda n, a: Path(a[0]).name.startswith(".trash-")),
+}
+
+
+def _publish_and_die(impl, root, point: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{root.parent / 'store'}", rank=0, world_size=1)
+    attr, when = KILL_POINTS[point]
+    with kill_on_rank(0, shutil if attr == "rmtree" else os, attr, when=when):
+        impl.publish_version(_version_state(impl, 3), root, keep=1, grace_s=0.0)
+    os._exit(0)  # reached only if the kill point was never called
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_a_publisher_killed_at_any_step_leaves_a_complete_current_version(impl, tmp_path, point):
+    root = tmp_path / "published"
+    for version in (1, 2):
+        impl.publish_version(_version_state(impl, version), root, keep=2, grace_s=0.0)
+    child = multiprocessing.get_context("fork").Process(target=_publish_and_die, args=(impl, root, point))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == -9, f"{point}: the publisher was not killed there (exit {child.exitcode})"
+    current = impl.resolve_current(root)
+    assert current.name in ("v00000002", "v00000003"), f"{point}: current is {current.name}"
+    impl.validate_adapter_dir(current)  # complete: marker, hashes, tensors
+    config = json.loads((current / "adapter_config.json").read_text())
+    assert config["lora_alpha"] == int(current.name[1:]), f"{point}: {current.name} holds {config['lora_alpha']}"
+    impl.publish_version(_version_state(impl, 4), root, keep=1, grace_s=0.0)
+    config = json.loads((impl.resolve_current(root) / "adapter_config.json").read_text())
+    assert config["lora_alpha"] == 4, f"{point}: the next publication is not current ({config['lora_alpha']})"
+    leftovers = [p.name for p in root.iterdir() if p.name.startswith((".trash", ".current.tmp", ".v"))]
+    assert leftovers == [], f"{point}: the next publication left {leftovers}"
