@@ -10,11 +10,21 @@ process group usable.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["StatusExchange", "join_failures"]
+__all__ = ["Agreed", "StatusExchange", "join_failures"]
+
+
+class Agreed(NamedTuple):
+    """One phase run on this rank and agreed: its result here, every rank's failures, this rank's own exception."""
+
+    result: Any
+    failures: list[str]
+    cause: BaseException | None
 
 
 def topic_name(prefix: str) -> str:
@@ -72,6 +82,15 @@ class StatusExchange:
             return failures
         except Exception:  # the store itself is gone: the rank hosting it (rank 0 by default) died
             return [f"rank 0: no response within {self.timeout_s:g}s in phase {phase} (store host dead or hung)"]
+
+    def run(self, phase: str, fn: Callable[[], Any]) -> Agreed:
+        """Run ``fn`` on this rank, then :meth:`agree` on the outcome (the caller raises its own error on failures)."""
+        result, status, cause = None, "", None
+        try:
+            result = fn()
+        except Exception as exc:  # agreed across ranks, then raised identically everywhere by the caller
+            status, cause = f"{type(exc).__name__}: {exc}", exc
+        return Agreed(result, self.agree(phase, status), cause)
 
     def _missing(self, keys: list[str]) -> set[int]:
         """Wait until every rank has posted or the deadline passed; the ranks that never posted."""

@@ -87,19 +87,20 @@ def import_adapter(
     ex = StatusExchange(timeout_s, topic="dsv4_import")
     chunks = list(model_chunks)
     names = model_adapter_names(chunks)  # collective: before anything that may fail on one rank only
-    state, status, cause = None, "", None
-    try:
+
+    def check() -> AdapterState:
         state = read_published_adapter(path, base=base)
         problems = _scale_problems(path, state, handle)
         problems += [f"{path / ADAPTER_FILE}: {p}" for p in scatter_problems(chunks, state.tensors, names)]
         if problems:
             raise AdapterImportError("; ".join(problems))
-    except Exception as exc:  # agreed across ranks below, then raised identically everywhere
-        status, cause = f"{type(exc).__name__}: {exc}", exc
-    failures = ex.agree("check", status)
-    if failures:
+        return state
+
+    agreed = ex.run("check", check)
+    if agreed.failures:
         raise AdapterImportError(
-            f"import of {path} refused: " + join_failures(failures) + ". No parameter was changed."
-        ) from cause
+            f"import of {path} refused: {join_failures(agreed.failures)}. No parameter was changed."
+        ) from agreed.cause
+    state = agreed.result
     load_full(chunks, state.tensors)
     return state

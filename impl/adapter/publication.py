@@ -108,18 +108,10 @@ class AdapterPublisher:
 
 def _agreed(ex: StatusExchange, phase: str, run: Callable[[], Any], version: int) -> Any:
     """``run()`` on this rank, then the ranks agree; the same :class:`PublicationError` everywhere on a failure."""
-    result, status, cause = None, "", None
-    try:
-        result = run()
-    except Exception as exc:  # agreed across ranks below, then raised identically everywhere
-        status, cause = f"{type(exc).__name__}: {exc}", exc
-    failures = ex.agree(phase, status)
-    if failures:
+    agreed = ex.run(phase, run)
+    if agreed.failures:
         raise PublicationError(
-            f"publication of version {version + 1} failed in phase {phase}: {join_failures(failures)}. Nothing was "
-            f"published; version {version} stays current."
-        ) from cause
-    return result
-
-
-__all__ = ["AdapterPublisher", "Publication", "PublicationError", "tensor_checksum"]
+            f"publication of version {version + 1} failed in phase {phase}: {join_failures(agreed.failures)}. "
+            f"Nothing was published; version {version} stays current."
+        ) from agreed.cause
+    return agreed.result

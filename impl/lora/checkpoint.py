@@ -214,20 +214,13 @@ def _trainer_state(payload: _Payload, step: int, lora: Any, base: Any, extra: Ma
 
 def _run_phase(ex: StatusExchange, name: str, out: Path, run: Callable[[], Any]) -> Any:
     """Run ``run`` on this rank, then agree with every rank; the same error everywhere on any failure."""
-    result, status, cause = None, "", None
-    try:
-        result = run()
-    except Exception as exc:  # collected across ranks, then raised identically everywhere
-        status, cause = f"{type(exc).__name__}: {exc}", exc
-    failures = ex.agree(name, status)
-    if failures:
+    agreed = ex.run(name, run)
+    if agreed.failures:
         raise TrainingCheckpointError(
-            f"training checkpoint to {out} failed in phase {name}: "
-            + join_failures(failures)
-            + f". Nothing was written; "
-            f"{out} is as it was."
-        ) from cause
-    return result
+            f"training checkpoint to {out} failed in phase {name}: {join_failures(agreed.failures)}. Nothing was "
+            f"written; {out} is as it was."
+        ) from agreed.cause
+    return agreed.result
 
 
 def save_training_checkpoint(

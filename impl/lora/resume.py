@@ -226,8 +226,8 @@ def resume_training(
     ex = StatusExchange(timeout_s, topic="dsv4_resume")
     chunks = list(model_chunks)
     names = model_adapter_names(chunks)  # collective: before anything that may fail on one rank only
-    ckpt, slots, status, cause = None, [], "", None
-    try:
+
+    def check() -> tuple[TrainingCheckpoint, list]:
         ckpt = read_training_checkpoint(path)
         slots, problems = _slots_for(chunks, optimizer)
         problems += _lora_problems(ckpt, handle) + _base_problems(ckpt, base)
@@ -235,15 +235,15 @@ def resume_training(
         problems += _optimizer_problems(ckpt, slots, names)
         if problems:
             raise TrainingCheckpointError(f"{path} cannot be resumed into this run: " + "; ".join(problems))
-    except Exception as exc:  # agreed across ranks below, then raised identically everywhere
-        status, cause = f"{type(exc).__name__}: {exc}", exc
-    failures = ex.agree("check", status)
-    if failures:
+        return ckpt, slots
+
+    agreed = ex.run("check", check)
+    if agreed.failures:
         raise TrainingCheckpointError(
-            f"resume from {path} refused: "
-            + join_failures(failures)
-            + ". Nothing was restored; the run has not started."
-        ) from cause
+            f"resume from {path} refused: {join_failures(agreed.failures)}. Nothing was restored; the run has not "
+            "started."
+        ) from agreed.cause
+    ckpt, slots = agreed.result
     load_full(chunks, ckpt.adapter)
     _restore_optimizer(chunks, ckpt, slots)
     saved, layout = dict(ckpt.state["layout"]), current_layout()
