@@ -126,7 +126,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "impl.lora.optimizer": ("AdapterOptimizer",),
     "impl.lora.checkpoint": ("CHECKPOINT_FORMAT", "TrainingCheckpointError", "save_training_checkpoint"),
-    "impl.lora.resume": ("ResumeInfo", "read_training_checkpoint", "resume_training"),
+    "impl.lora.resume": ("ResumeInfo", "latest_training_checkpoint", "read_training_checkpoint", "resume_training"),
     "impl.adapter.importer": ("AdapterImportError", "import_adapter", "read_published_adapter"),
     "impl.conversion.mapping": (
         "MAPPING_TABLE",

@@ -252,3 +252,24 @@ def test_a_save_refused_on_one_rank_fails_on_every_rank_and_keeps_the_earlier_ch
     assert "NaN" in errors[0] and ".adapter." in errors[0], f"the error does not name the NaN tensor: {errors[0]}"
     assert {f.name: _sha256(f) for f in target.iterdir()} == before, "the refused save changed the earlier checkpoint"
     assert not [p for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")], "leftovers beside it"
+
+
+def test_the_newest_complete_checkpoint_is_found_and_none_complete_is_an_error_not_a_fresh_start(
+    impl, base, ckpt_root, tmp_path
+):
+    """Under one root: step 2's complete checkpoint and a newer one without ``.complete`` (killed while saving) ->
+    step 2's; only the incomplete one -> TrainingCheckpointError naming it; nothing at all -> None (a fresh run)."""
+    import shutil
+
+    uninterrupted(impl, base, ckpt_root, "tp2")
+    root = tmp_path / "checkpoints"
+    shutil.copytree(ckpt_root / "ckpt-tp2", root / "step-000002")
+    shutil.copytree(ckpt_root / "ckpt-tp2", root / "step-000004")
+    _edit_state(root / "step-000004", lambda s: s.update(step=4))
+    (root / "step-000004" / ".complete").unlink()
+    assert impl.latest_training_checkpoint(root) == root / "step-000002"
+    shutil.rmtree(root / "step-000002")
+    with pytest.raises(impl.TrainingCheckpointError, match="none complete") as err:
+        impl.latest_training_checkpoint(root)
+    assert str(root / "step-000004") in str(err.value), err.value
+    assert impl.latest_training_checkpoint(tmp_path / "nothing-here") is None

@@ -48,7 +48,7 @@ from impl.lora.checkpoint import (
     current_layout,
 )
 
-__all__ = ["ResumeInfo", "read_training_checkpoint", "resume_training"]
+__all__ = ["ResumeInfo", "latest_training_checkpoint", "read_training_checkpoint", "resume_training"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,28 @@ def read_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
     return TrainingCheckpoint(
         path, state, adapter, _tensors(path, OPTIMIZER, raw[OPTIMIZER]), _tensors(path, RNG, raw[RNG])
     )
+
+
+def latest_training_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directly under ``root`` (by its saved step), skipping incomplete ones; None
+    only when ``root`` holds no checkpoint at all (a fresh run). Checkpoints that all fail to read are an error,
+    never a fresh start."""
+    root = Path(root)
+    candidates = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
+    steps, problems = {}, []
+    for path in candidates:
+        try:
+            steps[path] = read_training_checkpoint(path).state["step"]
+        except TrainingCheckpointError as exc:
+            problems.append(str(exc))
+    if steps:
+        return max(steps, key=lambda p: (steps[p], p.name))
+    if problems:
+        raise TrainingCheckpointError(
+            f"{root}: {len(problems)} checkpoint(s), none complete: " + "; ".join(problems[:3]) + ". Resume from "
+            "a complete one, or start fresh by removing them."
+        )
+    return None
 
 
 def _lora_problems(ckpt: TrainingCheckpoint, handle: Any) -> list[str]:

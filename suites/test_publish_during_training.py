@@ -1,0 +1,64 @@
+"""Publishing to rollout from a training run, on every rank (issue 26, point 3): ``AdapterPublisher.publish_model``
+after each Adam step of a real native run (``fixtures.loop_rank_fns``), and one rank's failure during a
+publication. The single-process publisher's contract (versions, copies, checksums, vLLM's in-memory load) is
+``suites/test_publish_every_step.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("training-loop")]
+
+
+TRAINING_RUNS = {
+    "tp2-fp32": ("tp2", {}),
+    "pp2-bf16-fp32-masters": ("pp2", {"dtype": "bfloat16", "optimizer": "masters"}),
+}
+
+
+@pytest.fixture(scope="module")
+def loop_base(tiny_ckpt_factory) -> str:
+    from fixtures.loop_rank_fns import BASE_SEED, PRESET
+
+    return str(tiny_ckpt_factory(PRESET, seed=BASE_SEED))
+
+
+@pytest.mark.parametrize("run", list(TRAINING_RUNS))
+def test_every_step_of_a_training_run_publishes_that_steps_adapter_on_every_rank(impl, loop_base, run):
+    """``publish_model`` after each of 4 Adam steps (TP=2 fp32; PP=2 bf16 on fp32 masters): version k is published
+    at step k, every rank agrees on the version, the published bytes are the adapter's at that step (sha256 of
+    each tensor, computed by the rank, against the gathered native adapter's), SGLang-form checksums match them,
+    later steps leave every version as it was, and no published tensor shares storage with a live parameter."""
+    from fixtures.loop_rank_fns import STEPS, loop_case, run_loop
+
+    layout, kw = TRAINING_RUNS[run]
+    got = run_loop(impl.name, loop_case(impl.name, loop_base, layout, publish_every=1, **kw), layout)
+    assert [p["publications"]["version"] for p in got] == [STEPS] * len(got), "the ranks' versions differ"
+    pubs = got[0]["publications"]
+    assert sorted(pubs["at_publish"]) == list(range(1, STEPS + 1)), f"{run}: versions {sorted(pubs['at_publish'])}"
+    for version, at in pubs["at_publish"].items():
+        where = f"{run} version {version}"
+        assert at["step"] == version and at["version_everywhere"] == version, f"{where}: published at step {at['step']}"
+        assert at["expected_checksums"] == at["sums"], f"{where}: expected_checksums are not the tensors' sha256"
+        assert sorted(at["sums"].values()) == at["adapter_sums"], f"{where}: not the adapter's bytes at its step"
+        assert pubs["at_end"][version] == at["sums"], f"{where}: changed by a later step"
+    assert pubs["aliased"] == [], f"{run}: published tensors alias live parameters: {pubs['aliased'][:4]}"
+    assert len({tuple(sorted(a["sums"].items())) for a in pubs["at_publish"].values()}) == STEPS, "two versions alike"
+
+
+def test_a_publication_failing_on_one_rank_fails_on_every_rank_and_the_previous_version_stays(impl, loop_base):
+    """A NaN in the last rank's shard before the third publication: every rank raises the same PublicationError,
+    naming that rank and the tensor, well within the 30 s timeout; every rank stays at version 2, and the writer's
+    current publication is still version 2."""
+    from fixtures.loop_rank_fns import loop_case, run_loop
+
+    got = run_loop(impl.name, loop_case(impl.name, loop_base, "tp2", publish_every=1, poison_publish_at=3), "tp2")
+    errors = [p["publications"]["error"] for p in got]
+    assert all(e is not None for e in errors), f"a rank published the poisoned step: {errors}"
+    assert len({e["message"] for e in errors}) == 1, f"the ranks raised different errors: {errors}"
+    message = errors[0]["message"]
+    assert message.startswith("PublicationError: ") and "rank 1: NonFiniteAdapterError" in message, message
+    assert ".adapter." in message and "version 2 stays current" in message, message
+    assert all(e["seconds"] < 10 for e in errors), f"a rank took {max(e['seconds'] for e in errors):.1f} s to report"
+    assert [e["version"] for e in errors] == [2] * len(got) and got[0]["publications"]["current"] == 2, errors
