@@ -6,7 +6,7 @@ and check that the tests named for it fail.
 Per mutation: copy ``impl/`` under the package name ``impl_mutant`` with the change applied (never to the tree), run
 only its tests against the copy in a pytest subprocess (``--impl impl_mutant``, ``-x``, stops at the first failure),
 and record KILLED (a test failed: its id is reported) or SURVIVED (all passed). A control run afterwards proves that
-each killing test passes on the unmutated copy (one pytest run over those test functions), otherwise a "kill" proves
+each killing test passes on the unmutated copy (one pytest run over those very test nodes), otherwise a "kill" proves
 nothing. ERROR: the change no longer applies exactly once (the code moved), the killing test fails unmutated too, the run
 did not test the copy, collected nothing, crashed or timed out. Exit status 0 only when every mutation is KILLED.
 """
@@ -98,12 +98,12 @@ def _buckets(functions: list[str], jobs: int) -> list[list[str]]:
 
 def run_control(killed: list[Outcome], work: Path, timeout: float, jobs: int = 1) -> dict[str, str]:
     """Entry name -> why its killing test fails on the unmutated copy too (absent: the kill stands). The control
-    runs each killing test function (every parametrization) once, against a copy without any mutation, split over
-    ``jobs`` concurrent pytest runs."""
+    runs each killing test once (the very node that killed, parametrization included: the others prove nothing
+    about that kill), against a copy without any mutation, split over ``jobs`` concurrent pytest runs."""
     if not killed:
         return {}
     copy = copy_implementation(work / "control", name=COPY_NAME)
-    functions = list(dict.fromkeys(o.detail.split("[")[0] for o in killed))
+    functions = list(dict.fromkeys(o.detail for o in killed))
     groups = _buckets(functions, jobs)
     with ThreadPoolExecutor(max_workers=len(groups)) as pool:
         runs = list(pool.map(lambda g: _pytest(copy.path, g, None, stop_first=False, timeout=timeout), groups))
@@ -126,7 +126,7 @@ def run_control(killed: list[Outcome], work: Path, timeout: float, jobs: int = 1
         return {o.entry.name: f"control run failed ({why})" for o in killed}
     broken = {}
     for o in killed:
-        mine = [node for node in failed if node.startswith(o.detail.split("[")[0])]
+        mine = [node for node in failed if node == o.detail]
         if mine:
             broken[o.entry.name] = f"the unmutated copy fails {mine[0]} too"
     return broken

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("training-loop")]
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("publish-training")]
 
 
 TRAINING_RUNS = {

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.adapter_states import make_native_adapter
-from fixtures.faults import kill_on_rank
+from fixtures.faults import kill_on_call
 
 pytestmark = pytest.mark.cpu
 
@@ -89,11 +89,8 @@ KILL_POINTS = {
 
 
 def _publish_and_die(impl, root, point: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{root.parent / 'store'}", rank=0, world_size=1)
     attr, when = KILL_POINTS[point]
-    with kill_on_rank(0, shutil if attr == "rmtree" else os, attr, when=when):
+    with kill_on_call(shutil if attr == "rmtree" else os, attr, when=when):
         impl.publish_version(_version_state(impl, 3), root, keep=1, grace_s=0.0)
     os._exit(0)  # reached only if the kill point was never called
 
