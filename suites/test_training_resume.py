@@ -236,22 +236,38 @@ def test_a_checkpoint_that_must_not_be_resumed_is_refused_on_every_rank_naming_i
             assert named in message, f"{label}: the error does not name {named}: {message}"
 
 
-def test_a_save_refused_on_one_rank_fails_on_every_rank_and_keeps_the_earlier_checkpoint(impl, base, ckpt_root):
-    """A NaN LoRA parameter on the last rank at the save: every rank raises the same error naming the tensor, and
-    the checkpoint already at that path keeps its bytes."""
+#: how the save fails -> (the LoopCase fields, what the error must say)
+SAVE_FAILURES = {
+    "nan-on-the-last-rank": ({"poison": True}, ("NaN", ".adapter.", "phase write")),
+    "rank0-prepare": ({"save_fault": (0, "prepare")}, ("rank 0: OSError", "phase prepare")),
+    "rank1-prepare": ({"save_fault": (1, "prepare")}, ("rank 1: OSError", "phase prepare")),
+    "rank0-write-fsync": ({"save_fault": (0, "write")}, ("rank 0: OSError", "phase write")),
+}
+
+
+@pytest.mark.parametrize("failure", list(SAVE_FAILURES))
+def test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_earlier_checkpoint(
+    impl, base, ckpt_root, failure
+):
+    """A NaN LoRA parameter on the last rank, or the real call of a save phase failing on one rank (the optimizer
+    read in ``prepare``, the writer's fsync in ``write``): every rank raises the same error naming the rank and the
+    phase, and the checkpoint already at that path keeps its bytes, with nothing beside it."""
     import shutil
 
     uninterrupted(impl, base, ckpt_root, "tp2")
-    target = ckpt_root / "poisoned-save"
+    fields, says = SAVE_FAILURES[failure]
+    target = ckpt_root / f"failed-save-{failure}"
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(ckpt_root / "ckpt-tp2", target)
     before = {f.name: _sha256(f) for f in target.iterdir()}
-    got = _run(impl, _case(impl, base, "tp2", save_at=SAVE_AT, save_dir=str(target), poison=True), "tp2")
+    got = _run(impl, _case(impl, base, "tp2", save_at=SAVE_AT, save_dir=str(target), **fields), "tp2")
     errors = [p.get("save_error") for p in got]
-    assert all(e is not None and e == errors[0] for e in errors), f"the ranks' save errors: {errors}"
-    assert "NaN" in errors[0] and ".adapter." in errors[0], f"the error does not name the NaN tensor: {errors[0]}"
-    assert {f.name: _sha256(f) for f in target.iterdir()} == before, "the refused save changed the earlier checkpoint"
-    assert not [p for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")], "leftovers beside it"
+    assert all(e is not None and e == errors[0] for e in errors), f"{failure}: the ranks' save errors: {errors}"
+    assert errors[0].startswith("TrainingCheckpointError: "), errors[0]
+    assert all(s in errors[0] for s in says), f"{failure}: the error does not say {says}: {errors[0]}"
+    assert {f.name: _sha256(f) for f in target.iterdir()} == before, f"{failure}: the earlier checkpoint changed"
+    leftovers = [p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")]
+    assert not leftovers, f"{failure}: {leftovers} beside it"
 
 
 def test_the_newest_complete_checkpoint_is_found_and_none_complete_is_an_error_not_a_fresh_start(
