@@ -66,6 +66,37 @@ def test_a_reader_loading_in_a_loop_never_pairs_two_versions_or_reads_a_partial_
     assert impl.resolve_current(root).name == "v00000100", impl.resolve_current(root)
 
 
+@pytest.mark.xdist_group("consumers")
+@pytest.mark.consumer_env
+def test_vllm_loading_in_a_loop_never_pairs_two_versions_or_reads_a_partial_file(impl, tmp_path):
+    """vLLM 0.33's own directory loader (``PEFTHelper.from_local_dir`` + ``LoRAModel.from_local_checkpoint`` with
+    the V4 model's mapper; ``fixtures/consumers/probe_vllm_reader.py`` in its environment) during 100 publications
+    in the dialect vLLM loads."""
+    from fixtures.consumers import HERE, require_consumer_env, start_probe_script
+
+    require_consumer_env("vllm")
+    root, out = tmp_path / "published", tmp_path / "vllm-reader.json"
+    impl.publish_version(_version_state(impl, 1), root, keep=3, grace_s=5.0, dialect="official")
+    reader = start_probe_script(
+        "vllm", HERE / "probe_vllm_reader.py", ["--root", str(root), "--out", str(out)], tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (root / ".vllm-reader-ready").exists() and reader.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for version in range(2, 101):
+            impl.publish_version(_version_state(impl, version), root, keep=3, grace_s=5.0, dialect="official")
+    finally:
+        (root / ".stop").touch()
+        _, err = reader.communicate(timeout=120)
+    assert out.exists(), f"the vLLM reader wrote no report (exit {reader.returncode}): {err[-2000:]}"
+    got = json.loads(out.read_text())
+    assert got["problems"] == [], f"vLLM loaded torn or partial versions: {got['problems']}"
+    assert got["loads"] >= 10 and len(got["versions"]) >= 3, (
+        f"vLLM loaded {got['loads']} times, {len(got['versions'])} versions: too few to prove anything"
+    )
+
+
 def test_retention_keeps_the_newest_k_and_every_version_current_within_the_grace(impl, tmp_path):
     """Version v is published at time v and stops being current at v + 1. Publishing version 8 (time 8) with
     keep=2 and grace 2.5 keeps 7 and 8 (the newest two), and 6 and 5 (current until 7 and 6, within 2.5 of 8);
