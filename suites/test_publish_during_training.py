@@ -47,18 +47,20 @@ def test_every_step_of_a_training_run_publishes_that_steps_adapter_on_every_rank
     assert len({tuple(sorted(a["sums"].items())) for a in pubs["at_publish"].values()}) == STEPS, "two versions alike"
 
 
-def test_a_publication_failing_on_one_rank_fails_on_every_rank_and_the_previous_version_stays(impl, loop_base):
-    """A NaN in the last rank's shard before the third publication: every rank raises the same PublicationError,
-    naming that rank and the tensor, well within the 30 s timeout; every rank stays at version 2, and the writer's
-    current publication is still version 2."""
+@pytest.mark.parametrize("rank", [0, 1], ids=["writer", "peer"])
+def test_a_publication_failing_on_one_rank_fails_on_every_rank_and_the_previous_version_stays(impl, loop_base, rank):
+    """A NaN in one rank's shard (the writer's, or its peer's) before the third publication: every rank raises the
+    same PublicationError, naming that rank and the tensor, well within the 30 s timeout; every rank stays at
+    version 2, and the writer's current publication is still version 2."""
     from fixtures.loop_rank_fns import loop_case, run_loop
 
-    got = run_loop(impl.name, loop_case(impl.name, loop_base, "tp2", publish_every=1, poison_publish_at=3), "tp2")
+    case = loop_case(impl.name, loop_base, "tp2", publish_every=1, poison_publish_at=3, poison_rank=rank)
+    got = run_loop(impl.name, case, "tp2")
     errors = [p["publications"]["error"] for p in got]
     assert all(e is not None for e in errors), f"a rank published the poisoned step: {errors}"
     assert len({e["message"] for e in errors}) == 1, f"the ranks raised different errors: {errors}"
     message = errors[0]["message"]
-    assert message.startswith("PublicationError: ") and "rank 1: NonFiniteAdapterError" in message, message
+    assert message.startswith("PublicationError: ") and f"rank {rank}: NonFiniteAdapterError" in message, message
     assert ".adapter." in message and "version 2 stays current" in message, message
     assert all(e["seconds"] < 10 for e in errors), f"a rank took {max(e['seconds'] for e in errors):.1f} s to report"
     assert [e["version"] for e in errors] == [2] * len(got) and got[0]["publications"]["current"] == 2, errors
