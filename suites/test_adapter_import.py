@@ -1,5 +1,4 @@
-"""A published adapter imports back into the native graph at any layout: the reverse of the export (issue 26,
-point 2).
+"""A published adapter imports back into the native graph at any layout: the reverse of the export.
 
 The adapter an uninterrupted TP=2 run trained (``fixtures.loop_rank_fns``) is exported here in every dialect
 (transformers, official, sglang; with its base fingerprint) and imported (``impl.import_adapter``) into a fresh

@@ -1,4 +1,4 @@
-"""Publishing to rollout from a training run, on every rank (issue 26, point 3): ``AdapterPublisher.publish_model``
+"""Publishing to rollout from a training run, on every rank: ``AdapterPublisher.publish_model``
 after each Adam step of a real native run (``fixtures.loop_rank_fns``), and one rank's failure during a
 publication. The single-process publisher's contract (versions, copies, checksums, vLLM's in-memory load) is
 ``suites/test_publish_every_step.py``.

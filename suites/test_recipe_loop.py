@@ -1,4 +1,4 @@
-"""The loop a LoRA job runs all day, on the Flash recipe's tiny variant (issue 26, point 5): train, checkpoint every
+"""The loop a LoRA job runs all day, on the Flash recipe's tiny variant: train, checkpoint every
 2 steps, publish to disk every 2 steps, get killed, resume from the newest complete checkpoint, finish; through the
 public API only (``fixtures/recipe_rank_fns.rank_recipe_loop``), PP=2 on two CPU ranks as the recipe lays it out.
 

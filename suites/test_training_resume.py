@@ -1,4 +1,4 @@
-"""A LoRA run resumes exactly from its training checkpoint, at its own layout or another (issue 26, points 1-2).
+"""A LoRA run resumes exactly from its training checkpoint, at its own layout or another.
 
 Per layout (TP=2, EP=2, PP=2 on gloo): an uninterrupted run trains 4 Adam steps and checkpoints after step 2
 (``impl.save_training_checkpoint``); a second run, started fresh at the same layout, resumes from that checkpoint

@@ -1,4 +1,4 @@
-"""Publication to disk while a server reads (issue 26, point 4): versioned immutable directories, one pointer.
+"""Publication to disk while a server reads: versioned immutable directories, one pointer.
 
 ``impl.publish_version`` exports each version to its own directory and then points ``root/current`` at it;
 ``impl.resolve_current`` is the one resolution a reader makes. Proven here: a reader process loading in a loop
