@@ -77,9 +77,21 @@ def set_aside(out_dir: Path) -> None:
     if out_dir.exists():
         os.replace(out_dir, old)
     else:
-        old.mkdir()
-        (old / _ABSENT).touch()
+        # ".dsv4-old" must hold its ".dsv4-absent" from the moment it exists: an empty one would be restored as
+        # the destination (a crash between mkdir and the marker's creation, or a marker not yet durable).
+        pending = _absent_pending(out_dir)
+        shutil.rmtree(pending, ignore_errors=True)
+        pending.mkdir()
+        (pending / _ABSENT).touch()
+        fsync_path(pending)
+        os.replace(pending, old)
     fsync_path(out_dir.parent)
+
+
+def _absent_pending(out_dir: Path) -> Path:
+    """Where ``set_aside`` builds the "there was none" record before renaming it to ``.D.dsv4-old``."""
+    _, old, _ = sidecars(out_dir)
+    return old.with_name(old.name + ".tmp")
 
 
 def recover_export_dir(out_dir: str | os.PathLike) -> str:
@@ -99,7 +111,7 @@ def recover_export_dir(out_dir: str | os.PathLike) -> str:
         else:
             os.replace(old, out_dir)
         actions.append("restored the previous destination")
-    for leftover in (staging, trash):
+    for leftover in (staging, trash, _absent_pending(out_dir)):
         if leftover.exists():
             shutil.rmtree(leftover)
             actions.append(f"removed {leftover.name}")
