@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fail early, in one line, when the file system holding DIR has less than GB gigabytes free.
 #   scripts/disk_check.sh DIR GB
-# .ci/run calls it before installing: a full run's environments (main, device image, latest lane, consumers, pin
-# overlays) take about 20 GB, and a pip install that runs out of space midway fails with a bare OSError.
+# .ci/run calls it before installing (its environments' sizes: docs/performance.md, "CI disk"): a pip install that
+# runs out of space midway fails with a bare OSError, far from the cause.
 set -euo pipefail
 DIR=${1:?usage: scripts/disk_check.sh DIR GB}
 NEED_GB=${2:?usage: scripts/disk_check.sh DIR GB}
