@@ -26,10 +26,13 @@ scripts/device_bundle.sh .device-bundle
 echo "device_rehearsal: image environment and bundle ready in $(($(date +%s) - start))s"
 [ "$PREPARE_ONLY" = 1 ] && exit 0
 
-# DSV4_BENCH_REPEATS=1: on a CPU host the load bench proves it runs; its figures are the GPU machine's to give
-site=$(mktemp -d)/site  # a fresh install target, as on a bare machine
+# DSV4_BENCH_REPEATS=1 DSV4_BENCH_EP=64: on a CPU host the load bench proves it runs (one repeat over a smaller
+# share); its figures are the GPU machine's to give
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT  # the install target is the rehearsal's alone
+site=$work/site  # a fresh install target, as on a bare machine
 # shellcheck disable=SC2016
-exec unshare --net -- bash -c '
+unshare --net -- bash -c '
   ip link set lo up
   "$1" -c "
 import socket, sys
@@ -39,6 +42,6 @@ rc = s.connect_ex((\"1.1.1.1\", 443))
 print(f\"device_rehearsal: network unreachable (connect to 1.1.1.1:443 -> errno {rc}), as on the GPU machine\")
 sys.exit(rc == 0)
 " || { echo "device_rehearsal: the namespace reaches the network" >&2; exit 1; }
-  PYTHON="$1" DEVICE_CHECK_DRY=1 DEVICE_BUNDLE=.device-bundle DEVICE_SITE="$2" PIP_NO_INDEX=1 DSV4_BENCH_REPEATS=1 \
+  PYTHON="$1" DEVICE_CHECK_DRY=1 DEVICE_BUNDLE=.device-bundle DEVICE_SITE="$2" PIP_NO_INDEX=1 DSV4_BENCH_REPEATS=1 DSV4_BENCH_EP=64 \
     exec scripts/device_check.sh
 ' rehearsal "$VENV/bin/python" "$site"

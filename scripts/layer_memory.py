@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -46,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        store = tempfile.NamedTemporaryFile(prefix="dsv4-layer-", delete=False).name
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no file store
         parallel_state.initialize_model_parallel(1, 1)
     hf, layer = _config(args.tiny)
     cfg = impl.V4Config.from_hf(hf)

@@ -32,6 +32,8 @@ from fixtures.warm_pytest import pytest_on_copy  # noqa: E402
 
 COPY_NAME = "impl_mutant"  # the control copy has the same name, so the mutation is the only difference
 KILLED, SURVIVED, ERROR = "KILLED", "SURVIVED", "ERROR"
+#: a change here alters what the copy imports before megatron, which the warm server preloads: such rows run cold
+COLD_FILES = frozenset({"compat/__init__.py"})
 _FAILED_WORDS = ("FAILED", "ERROR")
 
 
@@ -43,13 +45,13 @@ class Outcome:
     seconds: float = 0.0
 
 
-def _pytest(copy_dir: Path, targets: list[str], k: str | None, *, stop_first: bool, timeout: float):
+def _pytest(copy_dir: Path, targets: list[str], k: str | None, *, stop_first: bool, timeout: float, cold: bool = False):
     """Run pytest on ``targets`` against the copy in ``copy_dir``; (exit code, node id -> outcome, output, seconds).
-    Forked from the warm server (fixtures/warm_pytest.py) unless DSV4_COLD_MUTANTS=1."""
+    Forked from the warm server (fixtures/warm_pytest.py) unless ``cold`` or DSV4_COLD_MUTANTS=1."""
     args = ["-m", "cpu", "-n", "0", "-p", "no:randomly", "-rfE"]
     args += ["--impl", COPY_NAME, *(["-x"] if stop_first else []), *(["-k", k] if k else []), *targets]
     start = time.monotonic()
-    rc, out = pytest_on_copy(args, copy_dir=copy_dir, copy_name=COPY_NAME, timeout=timeout)
+    rc, out = pytest_on_copy(args, copy_dir=copy_dir, copy_name=COPY_NAME, timeout=timeout, cold=cold)
     if rc is None:
         return None, {}, f"timed out after {timeout:g}s:\n{out[-4000:]}", time.monotonic() - start
     return rc, pytest_outcomes(out), out, time.monotonic() - start
@@ -66,7 +68,8 @@ def run_mutant(entry: Seeded, work: Path, timeout: float) -> Outcome:
         copy_implementation(where, name=COPY_NAME, mutation=entry.change)
     except MutationError as exc:
         return Outcome(entry, ERROR, str(exc), time.monotonic() - start)
-    rc, outcomes, out, _ = _pytest(where, list(entry.kill), entry.k, stop_first=True, timeout=timeout)
+    cold = entry.change.file in COLD_FILES
+    rc, outcomes, out, _ = _pytest(where, list(entry.kill), entry.k, stop_first=True, timeout=timeout, cold=cold)
     seconds = time.monotonic() - start
     failed = [node for node, word in outcomes.items() if word in _FAILED_WORDS]
     if rc is None:

@@ -114,6 +114,10 @@ def rank_bf16_vs_fp32(rank: int, world_size: int, case: Bf16Case) -> dict:
     return {"fp32": _train_one(api, case, torch.float32), "bf16": _train_one(api, case, torch.bfloat16)}
 
 
+#: the tests of the one fp32/bf16 training run: one worker trains it once
+RUNS_GROUP = pytest.mark.xdist_group("bf16-runs")
+
+
 @pytest.fixture(scope="module")
 def runs(impl, tmp_path_factory):
     ckpt = str(write_checkpoint(PRESET, tmp_path_factory.mktemp("bf16-ckpt"), seed=3))
@@ -127,6 +131,7 @@ def runs(impl, tmp_path_factory):
     return result.payload, oracle, oracle_bf16
 
 
+@RUNS_GROUP
 def test_bf16_build_keeps_weights_and_adapters_in_bf16_and_the_fp32_families_in_fp32(runs):
     payload, _, _ = runs
     dtypes = payload["bf16"]["dtypes"]
@@ -136,6 +141,7 @@ def test_bf16_build_keeps_weights_and_adapters_in_bf16_and_the_fp32_families_in_
     assert any(".adapter." in n for n in dtypes), "no LoRA adapters in the bf16 build"
 
 
+@RUNS_GROUP
 def test_bf16_adapters_train_through_fp32_gradients_and_fp32_masters(runs):
     payload, _, _ = runs
     run = payload["bf16"]
@@ -145,6 +151,7 @@ def test_bf16_adapters_train_through_fp32_gradients_and_fp32_masters(runs):
     assert payload["fp32"]["n_masters"] == 0, "fp32 parameters need no separate master copy"
 
 
+@RUNS_GROUP
 def test_bf16_logits_agree_with_the_fp32_oracle_within_the_stated_tolerances(runs):
     payload, oracle, oracle_bf16 = runs
     ah.assert_close_ulps(
@@ -167,6 +174,7 @@ def test_bf16_logits_agree_with_the_fp32_oracle_within_the_stated_tolerances(run
     )
 
 
+@RUNS_GROUP
 def test_bf16_training_losses_track_the_fp32_run(runs):
     payload, _, _ = runs
     fp32, bf16 = payload["fp32"]["losses"], payload["bf16"]["losses"]

@@ -112,6 +112,10 @@ def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[di
 _WORLD_SIZES = (1, 2, 4, 8)
 
 
+#: the tests of the fault matrix's results: one worker runs the matrix once
+MATRIX_GROUP = pytest.mark.xdist_group("export-fault-matrix")
+
+
 @pytest.fixture(scope="module")
 def matrix_results(impl, nproc: int, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[list[dict]]]:
     """Run each world size's matrix once; {world_size: per-rank case lists}."""
@@ -125,6 +129,7 @@ def matrix_results(impl, nproc: int, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
+@MATRIX_GROUP
 @pytest.mark.parametrize(
     "world_size,case_id,fail_rank,phase",
     [pytest.param(ws, cid, r, p, id=cid) for ws in _WORLD_SIZES for cid, r, p in matrix(ws)],
@@ -155,6 +160,7 @@ def test_the_matrix_injects_into_every_phase_of_the_implementation_in_protocol_o
     assert all(callable(run) for _, run in impl.EXPORT_PHASES), "every phase must be a function of the context"
 
 
+@MATRIX_GROUP
 def test_exporter_ranks_never_import_megatron(matrix_results) -> None:
     """The exporter needs only torch and safetensors: ranks that only export stay free of megatron's import."""
     for ws, payloads in matrix_results.items():
@@ -163,6 +169,7 @@ def test_exporter_ranks_never_import_megatron(matrix_results) -> None:
             assert not imported, f"world size {ws}, rank {rank}: the export imported megatron ({imported})"
 
 
+@MATRIX_GROUP
 def test_matrix_case_count(matrix_results) -> None:
     """Reports how many fault cases ran (and that every world size ran all of its cases)."""
     counts = {ws: len(payloads[0]) for ws, payloads in matrix_results.items()}

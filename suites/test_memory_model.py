@@ -34,6 +34,10 @@ PLANS = {
 }
 
 
+#: the recipe rows build each stage's native graph with its LoRA (seconds for Pro): one worker builds them once
+ROWS_GROUP = pytest.mark.xdist_group("memory-model-rows")
+
+
 @pytest.fixture(scope="module")
 def flash_rows(impl):
     return impl.recipe_memory(flash_config(), impl.deepseek_v4_flash_lora_recipe())
@@ -110,6 +114,7 @@ def _manifest_bytes(cfg) -> int:
     return sum(torch.Size(s.shape).numel() * sizes[s.dtype] for s in manifest(cfg, dtype=torch.bfloat16))
 
 
+@ROWS_GROUP
 @pytest.mark.parametrize("model", ["flash", "pro"])
 def test_stage_weights_add_up_to_the_checkpoint_manifest(impl, model, request):
     rows = request.getfixturevalue(f"{model}_rows")
@@ -126,6 +131,7 @@ def test_stage_weights_add_up_to_the_checkpoint_manifest(impl, model, request):
     assert total == want, f"{model}: stages hold {total} bytes of weights, the bf16 manifest {want}"
 
 
+@ROWS_GROUP
 @pytest.mark.parametrize("model", ["flash", "pro"])
 def test_heaviest_rank_of_the_recipe_fits_the_budget(impl, model, request):
     rows = request.getfixturevalue(f"{model}_rows")
@@ -138,6 +144,7 @@ def test_heaviest_rank_of_the_recipe_fits_the_budget(impl, model, request):
     assert rows[0].total_no_recompute / 1e9 > BUDGET_GB, impl.format_memory_table(rows)
 
 
+@ROWS_GROUP
 @pytest.mark.parametrize("model", ["flash", "pro"])
 def test_recipe_doc_carries_the_computed_memory_table(impl, model, request):
     table = impl.format_memory_table(request.getfixturevalue(f"{model}_rows"))
