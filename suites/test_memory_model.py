@@ -40,11 +40,13 @@ ROWS_GROUP = pytest.mark.xdist_group("memory-model-rows")
 
 @pytest.fixture(scope="module")
 def flash_rows(impl):
+    ensure_single_rank_megatron(impl)  # Megatron-Bridge 0.4's LoRA asks parallel state for the TP size
     return impl.recipe_memory(flash_config(), impl.deepseek_v4_flash_lora_recipe())
 
 
 @pytest.fixture(scope="module")
 def pro_rows(impl):
+    ensure_single_rank_megatron(impl)
     return impl.recipe_memory(pro_config(), impl.deepseek_v4_pro_lora_recipe())
 
 

@@ -263,7 +263,11 @@ class StageMemory:
 
 
 def recipe_memory(hf_config: Any, recipe: Any) -> list[StageMemory]:
-    """One row per pipeline stage (the heaviest rank of each stage) for ``recipe`` on ``hf_config``."""
+    """One row per pipeline stage (the heaviest rank of each stage) for ``recipe`` on ``hf_config``.
+
+    Builds each stage's native graph with its LoRA on this process, so Megatron parallel state must be initialized
+    (world size 1 is enough: the rows scale by the recipe's TP and EP themselves); Megatron-Bridge 0.4's LoRA reads
+    the TP size from it."""
     import torch
 
     from impl.conversion.pipeline import stage_layer_numbers
