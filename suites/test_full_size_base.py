@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,15 +75,52 @@ def test_coverage_maps_every_tensor_of_a_flash_base(impl, flash_sparse: SparseFl
     }, f"coverage totals of the Flash base: {totals}"
 
 
-def test_one_changed_byte_of_a_full_size_base_fails_the_fingerprint(
-    impl, flash_sparse: SparseFlash, tmp_path: Path
+def test_a_full_hash_is_remembered_and_later_verifies_compare_every_byte(
+    impl, flash_sparse: SparseFlash, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Reading headers for everything else must not cost the fingerprint its bytes: one changed byte in one
-    targeted weight is a mismatch, named."""
+    """Sampling is for a base's first check only: once ``--full-hash`` has hashed a settled base, a plain verify
+    compares every targeted tensor by its remembered digest."""
+    monkeypatch.setenv("DSV4_LORA_CACHE", str(tmp_path / "cache"))
+    newest = max(p.stat().st_mtime for p in flash_sparse.base.iterdir())
+    time.sleep(max(0.0, newest + 1.1 - time.time()))  # a shard written within a second is never remembered
+    args = ("verify-adapter", "--base", flash_sparse.base, "--adapter", flash_sparse.adapter)
+    assert _dsv4(impl, *args, "--full-hash").returncode == 0
+    later = _dsv4(impl, *args)
+    line = next((x for x in later.stdout.splitlines() if x.lstrip().startswith("fingerprint")), "")
+    with open(flash_sparse.adapter / "adapter_model.safetensors", "rb") as fh:
+        header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    recorded = len(json.loads(header["__metadata__"]["dsv4_base_fingerprint"])["tensors"])
+    assert later.returncode == 0 and f"every byte of {recorded} tensors" in line, line
+
+
+@pytest.mark.parametrize("at", [0, -1], ids=["first-byte", "last-byte"])
+def test_a_changed_byte_in_a_sampled_page_fails_a_bases_first_verify(
+    impl, flash_sparse: SparseFlash, tmp_path: Path, at: int
+) -> None:
+    """A base's first verify compares each large targeted weight by its sampled pages (docs/fingerprint.md: the
+    first and the last page among them); one changed byte in one of them is a mismatch, named."""
     tensor = "layers.42.attn.wo_b.weight"
-    poked_copy(flash_sparse.base, tmp_path / "base", tensor)
+    poked_copy(flash_sparse.base, tmp_path / "base", tensor, at=at)
     result = _dsv4(impl, "verify-adapter", "--base", tmp_path / "base", "--adapter", flash_sparse.adapter)
     out = result.stdout + result.stderr
     assert result.returncode == 1, f"verify-adapter accepted a base with a changed {tensor}:\n{out[-3000:]}"
     assert tensor in out, f"the fingerprint problem does not name {tensor}:\n{out[-3000:]}"
     assert "Traceback" not in out
+
+
+def test_a_changed_byte_between_the_samples_fails_the_full_hash_and_the_sampled_verify_says_so(
+    impl, flash_sparse: SparseFlash, tmp_path: Path
+) -> None:
+    """Reading headers for everything else must not cost ``--full-hash`` its bytes: one changed byte outside every
+    sampled page is a mismatch, named. Without it the first verify cannot see that byte, and its fingerprint line
+    says it compared by samples and how to compare every byte."""
+    tensor = "layers.42.attn.wo_b.weight"
+    poked_copy(flash_sparse.base, tmp_path / "base", tensor, at=12345)  # between the first two sampled pages
+    args = ("verify-adapter", "--base", tmp_path / "base", "--adapter", flash_sparse.adapter)
+    sampled = _dsv4(impl, *args)  # first: a full hash is remembered, and a remembered digest is compared whole
+    line = next((x for x in sampled.stdout.splitlines() if x.lstrip().startswith("fingerprint")), "")
+    assert "sampled pages" in line and "--full-hash" in line, f"the fingerprint line hides the sampling: {line!r}"
+    full = _dsv4(impl, *args, "--full-hash")
+    out = full.stdout + full.stderr
+    assert full.returncode == 1, f"verify-adapter --full-hash accepted a base with a changed {tensor}:\n{out[-3000:]}"
+    assert tensor in out and "Traceback" not in out, f"the fingerprint problem does not name {tensor}:\n{out[-3000:]}"

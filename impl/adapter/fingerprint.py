@@ -1,13 +1,18 @@
 """Fingerprint of the frozen base an adapter was trained against.
 
 A fingerprint records a hash of the base config and, for each targeted base tensor (official checkpoint name,
-plus its ``.scale`` companion when quantized), its shape, dtype and the sha256 of its raw bytes. It is stored in
+plus its ``.scale`` companion when quantized), its shape, dtype and the sha256 of its raw bytes, and for a tensor
+larger than :data:`~impl.conversion.headers.SAMPLED_ABOVE` also the sha256 of a sample of its pages
+(:func:`~impl.conversion.headers.sample_sha256`). It is stored in
 the adapter's ``adapter_model.safetensors`` header under ``dsv4_base_fingerprint`` (not in
 ``adapter_config.json``: PEFT's ``from_peft_type`` drops unknown keys with an "upgrade PEFT" warning, and rollout
 engines parse that file too), so it travels inseparably with the tensors.
 
 Reading a checkpoint directory opens only the shards that hold targeted tensors (their headers) and streams only
-those tensors' bytes through the hash: memory stays flat on a full-size base.
+those tensors' bytes through the hash: memory stays flat on a full-size base. A verification may instead compare
+the samples of the tensors whose full digests are not remembered (``sampled``): a base's first check then reads
+256 KiB per tensor, not gigabytes (Flash: 4.4 GB of targeted weights), at the price of missing a change confined
+to unsampled bytes; the check says which way each tensor was compared.
 """
 
 from __future__ import annotations
@@ -15,14 +20,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from impl.adapter.dialects import DIALECTS
 from impl.adapter.raw import DTYPE_NAMES
-from impl.conversion.digests import tensor_digests
-from impl.conversion.headers import Header, read_file_header, shard_files
+from impl.conversion.digests import remembered_digests, tensor_digests
+from impl.conversion.headers import (
+    SAMPLED_ABOVE,
+    Header,
+    read_file_header,
+    sample_sha256,
+    shard_files,
+    tensor_sample_sha256,
+)
 from impl.errors import Dsv4Error
 from impl.lora.vocabulary import TARGET_TABLE
 
@@ -38,6 +50,13 @@ TORCH_DTYPE_NAMES = DTYPE_NAMES
 
 class FingerprintMismatchError(Dsv4Error, ValueError):
     """The adapter was trained against a different base (the differing tensors are named)."""
+
+
+class FingerprintCheck(NamedTuple):
+    """How a verified fingerprint's tensors were compared: by every byte, or by their sampled pages."""
+
+    full: int
+    sampled: int
 
 
 def config_sha256(config: Mapping[str, Any] | None) -> str | None:
@@ -71,12 +90,15 @@ def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
     import torch
 
     t = tensor.detach().to("cpu").contiguous()
-    raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    return {
+    raw = (t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)).numpy().data
+    record = {
         "shape": list(t.shape),
         "dtype": str(t.dtype).removeprefix("torch."),
-        "sha256": hashlib.sha256(raw.numpy().data).hexdigest(),
+        "sha256": hashlib.sha256(raw).hexdigest(),
     }
+    if raw.nbytes > SAMPLED_ABOVE:
+        record["sample_sha256"] = sample_sha256(raw)
+    return record
 
 
 def _transformers_alias(official: str) -> str | None:
@@ -121,9 +143,12 @@ def _dir_sources(path: Path) -> dict[str, tuple[str, str]]:
     return {o: (s, stored[s]) for o, s in official.items()}
 
 
-def _dir_records(path: Path, wanted: list[str], where: dict[str, tuple[str, str]]) -> dict[str, Any]:
+def _dir_records(
+    path: Path, wanted: list[str], where: dict[str, tuple[str, str]], sampled: Collection[str]
+) -> dict[str, Any]:
     """Records of ``wanted`` from their shards' headers, each tensor's bytes streamed (never loaded) or its digest
-    remembered from an earlier run while its shard is unchanged (:mod:`impl.conversion.digests`)."""
+    remembered from an earlier run while its shard is unchanged (:mod:`impl.conversion.digests`); a large tensor
+    in ``sampled`` whose digest is not remembered gets its sample's digest only."""
     by_shard: dict[str, list[str]] = {}
     for n in wanted:
         by_shard.setdefault(where[n][1], []).append(n)
@@ -135,11 +160,19 @@ def _dir_records(path: Path, wanted: list[str], where: dict[str, tuple[str, str]
             if h is None:
                 raise FingerprintMismatchError(f"{path / shard}: has no tensor {n} although the index says it does")
             found[n] = h
-    digests = tensor_digests(path, found)
-    return {
-        n: {"shape": list(h.shape), "dtype": TORCH_DTYPE_NAMES.get(h.dtype, h.dtype), "sha256": digests[n]}
-        for n, h in found.items()
-    }
+    big = {n for n, h in found.items() if h.span[1] - h.span[0] > SAMPLED_ABOVE}
+    known = remembered_digests(path, {n: found[n] for n in big & set(sampled)})
+    only_sampled = {n for n in big & set(sampled) if n not in known}
+    known |= tensor_digests(path, {n: h for n, h in found.items() if n not in only_sampled and n not in known})
+    records = {}
+    for n, h in found.items():
+        record: dict[str, Any] = {"shape": list(h.shape), "dtype": TORCH_DTYPE_NAMES.get(h.dtype, h.dtype)}
+        if n in known:
+            record["sha256"] = known[n]
+        if n in big and (n in only_sampled or not sampled):
+            record["sample_sha256"] = tensor_sample_sha256(path, h)
+        records[n] = record
+    return records
 
 
 def base_fingerprint(
@@ -147,11 +180,14 @@ def base_fingerprint(
     names: Iterable[str],
     *,
     config: Mapping[str, Any] | None = None,
+    sampled: Collection[str] = (),
 ) -> dict[str, Any]:
     """Fingerprint of the base tensors ``names`` (official names like ``layers.0.attn.wq_a.weight``).
 
     ``base`` is a checkpoint directory (official or transformers names; ``config.json`` is hashed when present)
     or an in-memory state dict (pass ``config`` to hash it). Quantized ``.scale`` companions are included.
+    With ``sampled`` (names, companions included, of a checkpoint directory), a large tensor named there whose
+    full digest is not remembered is recorded by its sample only: for comparing, never for recording.
     Raises :class:`FingerprintMismatchError` when a named tensor is absent from the base.
     """
     names = list(dict.fromkeys(names))
@@ -171,7 +207,7 @@ def base_fingerprint(
     if missing:
         raise FingerprintMismatchError(f"base checkpoint {path} has no tensor for {missing}; is it the right base?")
     wanted = _with_companions(names, where)
-    records = _dir_records(path, wanted, where)
+    records = _dir_records(path, wanted, where, sampled)
     cfg_file = path / "config.json"
     cfg = json.loads(cfg_file.read_text()) if config is None and cfg_file.is_file() else config
     ordered = {n: records[n] for n in wanted}
@@ -187,7 +223,8 @@ def read_adapter_fingerprint(adapter_dir: str | os.PathLike) -> dict[str, Any] |
 
 
 def compare_fingerprints(recorded: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
-    """Human-readable differences (empty when the bases agree)."""
+    """Human-readable differences (empty when the bases agree): each tensor by its full digest where ``actual``
+    has one, else by its sample's."""
     diffs = []
     rc, ac = recorded.get("config_sha256"), actual.get("config_sha256")
     if rc is not None and ac is not None and rc != ac:
@@ -197,9 +234,10 @@ def compare_fingerprints(recorded: Mapping[str, Any], actual: Mapping[str, Any])
         if got is None:
             diffs.append(f"{name}: absent from this base")
             continue
-        for field in ("shape", "dtype", "sha256"):
-            if rec[field] != got[field]:
-                diffs.append(f"{name}: {field} {rec[field]} recorded, {got[field]} in this base")
+        digest = "sha256" if "sha256" in got else "sample_sha256"
+        for field in ("shape", "dtype", digest):
+            if rec.get(field) != got[field]:
+                diffs.append(f"{name}: {field} {rec.get(field)} recorded, {got[field]} in this base")
                 break
     return diffs
 
@@ -209,17 +247,22 @@ def verify_fingerprint(
     base: str | os.PathLike | Mapping[str, torch.Tensor],
     *,
     config: Mapping[str, Any] | None = None,
-) -> None:
+    sampled: bool = False,
+) -> FingerprintCheck:
     """Raise :class:`FingerprintMismatchError` naming every differing tensor when ``adapter`` (an exported
-    directory or a fingerprint dict) was trained against a base other than ``base``."""
+    directory or a fingerprint dict) was trained against a base other than ``base``. ``sampled``: a large tensor
+    whose full digest is not remembered is compared by its recorded sample (where one is recorded)."""
     recorded = adapter if isinstance(adapter, Mapping) else read_adapter_fingerprint(adapter)
     if recorded is None:
         raise FingerprintMismatchError(
             f"adapter {adapter} carries no base fingerprint; re-export it with base_fingerprint=... to verify"
         )
     names = list(recorded["tensors"])
+    by_sample = [n for n, r in recorded["tensors"].items() if "sample_sha256" in r] if sampled else []
     try:
-        actual = base_fingerprint(base, [n for n in names if not n.endswith(".scale")], config=config)
+        actual = base_fingerprint(
+            base, [n for n in names if not n.endswith(".scale")], config=config, sampled=by_sample
+        )
     except FingerprintMismatchError as err:
         raise FingerprintMismatchError(f"adapter does not match base {base}: {err}") from None
     diffs = compare_fingerprints(recorded, actual)
@@ -228,3 +271,5 @@ def verify_fingerprint(
             f"adapter was trained against a different base than {base if not isinstance(base, Mapping) else 'the given state'}"
             f" ({len(diffs)} difference(s)): " + "; ".join(diffs) + ". Load it on the base it was trained on."
         )
+    full = sum("sha256" in actual["tensors"].get(n, {}) for n in names)
+    return FingerprintCheck(full=full, sampled=len(names) - full)

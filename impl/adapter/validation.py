@@ -32,9 +32,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from impl.adapter.dialects import DIALECTS, PEFT_PREFIX, Dialect
 from impl.adapter.files import ADAPTER_FILE, COMPLETE_MARKER, CONFIG_FILE, file_sha256
-from impl.adapter.fingerprint import FingerprintMismatchError, read_adapter_fingerprint, verify_fingerprint
+from impl.adapter.fingerprint import (
+    FingerprintCheck,
+    FingerprintMismatchError,
+    read_adapter_fingerprint,
+    verify_fingerprint,
+)
 from impl.adapter.kinds import ModuleKind, place_module
 from impl.adapter.raw import RawTensor, all_finite, read_safetensors
+from impl.conversion.headers import SAMPLE_PAGES
 from impl.errors import ExportError
 from impl.lora.vocabulary import TARGET_TABLE
 
@@ -77,6 +83,8 @@ class AdapterDir:
     base_names: BaseNames | None = None  # name/shape/selection checks against a base
     fingerprint_base: str | os.PathLike | Mapping[str, torch.Tensor] | None = None  # fingerprint check
     base_config: Mapping[str, Any] | None = None
+    fingerprint_sampled: bool = False  # large weights not remembered compared by their samples
+    fingerprint_check: FingerprintCheck | None = field(default=None, init=False)  # how it was compared
     read_errors: list[str] = field(default_factory=list)
 
     @property
@@ -397,7 +405,9 @@ def _fingerprint(a: AdapterDir) -> Iterator[str]:
         yield f"{a.tensor_file}: the base fingerprint metadata is not a dsv4-lora fingerprint"
         return
     try:
-        verify_fingerprint(recorded, a.fingerprint_base, config=a.base_config)
+        a.fingerprint_check = verify_fingerprint(
+            recorded, a.fingerprint_base, config=a.base_config, sampled=a.fingerprint_sampled
+        )
     except FingerprintMismatchError as exc:  # names each differing tensor
         yield str(exc)
 
@@ -469,7 +479,15 @@ def _dialect_figure(a: AdapterDir) -> str:
 def _fingerprint_figure(a: AdapterDir) -> str:
     if read_adapter_fingerprint(a.path) is None:
         return "none recorded (see provenance)"
-    return "matches the base" if a.fingerprint_base is not None else "not checked (no base given)"
+    if a.fingerprint_base is None:
+        return "not checked (no base given)"
+    how = a.fingerprint_check
+    if how is None or not how.sampled:
+        return "matches the base" + (f" (every byte of {how.full} tensors)" if how else "")
+    return (
+        f"matches the base ({how.full} tensors by every byte, {how.sampled} by {SAMPLE_PAGES} sampled pages: "
+        "--full-hash compares every byte)"
+    )
 
 
 def _marker_figure(a: AdapterDir) -> str:

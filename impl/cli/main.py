@@ -157,7 +157,13 @@ def cmd_qualify(args: argparse.Namespace) -> int:
 def cmd_verify_adapter(args: argparse.Namespace) -> int:
     from impl.cli.verify import verify_adapter
 
-    result = verify_adapter(args.base, args.adapter, forward=args.forward, require_certified=args.require_certified)
+    result = verify_adapter(
+        args.base,
+        args.adapter,
+        forward=args.forward,
+        require_certified=args.require_certified,
+        full_hash=args.full_hash,
+    )
     if args.consumer:  # the consumer's rules: one problem per target it would not apply
         from impl.cli.consumer_check import add_consumer_check
 
@@ -297,6 +303,12 @@ def _add_verify_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--require-certified",
         action="store_true",
         help="exit 1 for an adapter without .complete or base fingerprint (a third-party adapter)",
+    )
+    v.add_argument(
+        "--full-hash",
+        action="store_true",
+        help="compare the fingerprint by every byte of the targeted base weights (default: by every byte where "
+        "their digests are remembered from an earlier run, else by 64 sampled pages of each large weight)",
     )
     add_consumer_arguments(v, export=False)
     v.set_defaults(func=cmd_verify_adapter)

@@ -85,13 +85,19 @@ def _dialect_paths(headers: dict[str, Any], dialect: str) -> dict[str, str]:
 
 
 def verify_adapter(
-    base: str | Path, adapter: str | Path, *, forward: bool = False, require_certified: bool = False
+    base: str | Path,
+    adapter: str | Path,
+    *,
+    forward: bool = False,
+    require_certified: bool = False,
+    full_hash: bool = False,
 ) -> VerifyResult:
     """The ``base`` check (:func:`impl.conversion.base_dir.inspect_base`: DeepSeek-V4, shards, headers), then every
     check of :data:`ADAPTER_CHECKS` against it (plus ``forward`` when asked). Never raises on a bad adapter or base:
     every problem is listed, naming its file or tensor. With a bad base the adapter is still checked on its own.
     An adapter without ``.complete`` or base fingerprint is uncertified (:attr:`VerifyResult.uncertified`): a
-    problem only with ``require_certified``."""
+    problem only with ``require_certified``. The fingerprint is compared by sampled pages where a large weight's
+    full digest is not remembered, unless ``full_hash`` (:mod:`impl.adapter.fingerprint`)."""
     from impl.adapter.validation import AdapterDir, BaseNames, list_problems
     from impl.conversion.base_dir import inspect_base
 
@@ -107,7 +113,14 @@ def verify_adapter(
             official_of=_official_base_of,
             selectable=lambda dialect: _dialect_paths(headers, dialect),
         )
-    view = AdapterDir(adapter, False, require_certified, base_names=names, fingerprint_base=base if read.ok else None)
+    view = AdapterDir(
+        adapter,
+        False,
+        require_certified,
+        base_names=names,
+        fingerprint_base=base if read.ok else None,
+        fingerprint_sampled=not full_hash,
+    )
     for report in list_problems(view):
         res.problems += report.problems
         status = None

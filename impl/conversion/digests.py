@@ -25,7 +25,7 @@ from pathlib import Path
 
 from impl.conversion.headers import Header, tensor_sha256
 
-__all__ = ["RACY_MARGIN_S", "cache_root", "tensor_digests"]
+__all__ = ["RACY_MARGIN_S", "cache_root", "remembered_digests", "tensor_digests"]
 
 RACY_MARGIN_S = 1.0
 CACHE_VERSION = 1
@@ -88,20 +88,32 @@ def _span_key(h: Header) -> str:
     return f"{h.span[0]}-{h.span[1]}"
 
 
+def _by_file(ckpt_dir: Path, headers: Mapping[str, Header]) -> dict[Path, dict[str, Header]]:
+    by_file: dict[Path, dict[str, Header]] = {}
+    for name, h in headers.items():
+        by_file.setdefault((Path(ckpt_dir) / h.file).resolve(), {})[name] = h
+    return by_file
+
+
+def remembered_digests(ckpt_dir: Path, headers: Mapping[str, Header]) -> dict[str, str]:
+    """name -> sha256 (hex) of the tensors whose digests are remembered for their unchanged shard (no byte read)."""
+    root = cache_root()
+    known: dict[str, str] = {}
+    if root is None:
+        return known
+    for file, names in _by_file(ckpt_dir, headers).items():
+        cached = _load(_entry_path(root, file), _identity(file.stat()))
+        known.update({n: cached[_span_key(h)] for n, h in names.items() if _span_key(h) in cached})
+    return known
+
+
 def tensor_digests(ckpt_dir: Path, headers: Mapping[str, Header]) -> dict[str, str]:
     """name -> sha256 (hex) of each tensor's stored bytes: remembered ones where the shard is unchanged, the rest
     hashed (several at once: hashlib and file reads release the GIL) and remembered when safe to."""
     root = cache_root()
-    by_file: dict[Path, dict[str, Header]] = {}
-    for name, h in headers.items():
-        by_file.setdefault((Path(ckpt_dir) / h.file).resolve(), {})[name] = h
-    known: dict[str, str] = {}
-    before: dict[Path, list[int]] = {}
-    for file, names in by_file.items():
-        before[file] = _identity(file.stat())
-        if root is not None:
-            cached = _load(_entry_path(root, file), before[file])
-            known.update({n: cached[_span_key(h)] for n, h in names.items() if _span_key(h) in cached})
+    by_file = _by_file(ckpt_dir, headers)
+    before = {file: _identity(file.stat()) for file in by_file}
+    known = remembered_digests(ckpt_dir, headers)
     todo = {n: h for n, h in headers.items() if n not in known}
     started = time.time_ns()
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:

@@ -2,7 +2,9 @@
 
 A full-size base (Flash: ~69k tensors, ~160 GB) is judged by its headers alone (names, shapes, dtypes, byte
 ranges); the few tensors whose bytes matter (the fingerprint's) are streamed in fixed chunks, so memory stays
-flat whatever the tensor's size. ``verify-adapter`` and ``coverage`` read bases through this module only.
+flat whatever the tensor's size; or only a sample of 64 pages spread from a tensor's first byte to its last
+(:func:`tensor_sample_sha256`, a base's first ``verify-adapter``). ``verify-adapter`` and ``coverage`` read bases
+through this module only.
 """
 
 from __future__ import annotations
@@ -15,9 +17,27 @@ from pathlib import Path
 
 from impl.errors import CheckpointMappingError, CorruptCheckpointError
 
-__all__ = ["Header", "read_file_header", "read_headers", "shard_files", "tensor_sha256"]
+__all__ = [
+    "SAMPLE_PAGE",
+    "SAMPLE_PAGES",
+    "SAMPLED_ABOVE",
+    "Header",
+    "read_file_header",
+    "read_headers",
+    "sample_sha256",
+    "shard_files",
+    "tensor_sample_sha256",
+    "tensor_sha256",
+]
 
 _CHUNK = 8 << 20
+#: a tensor's sample: this many pages of this many bytes, evenly spread from its first byte to its last. A
+#: different model, a fine-tune, a merge or a requantization changes every page; one flipped byte lands in one.
+SAMPLE_PAGES = 64
+SAMPLE_PAGE = 4096
+#: tensors of more bytes than this have a sample distinct from their whole
+SAMPLED_ABOVE = SAMPLE_PAGES * SAMPLE_PAGE
+_SAMPLE_TAG = b"dsv4-lora sample v1"
 
 
 @dataclass(frozen=True)
@@ -141,4 +161,36 @@ def tensor_sha256(ckpt_dir: Path, header: Header) -> str:
                 )
             h.update(view[:got])
             left -= got
+    return h.hexdigest()
+
+
+def _sample_spans(nbytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of each sampled page of a tensor of ``nbytes`` (the whole tensor when it is that small)."""
+    if nbytes <= SAMPLED_ABOVE:
+        return [(0, nbytes)]
+    last = nbytes - SAMPLE_PAGE
+    return [(i * last // (SAMPLE_PAGES - 1), SAMPLE_PAGE) for i in range(SAMPLE_PAGES)]
+
+
+def sample_sha256(raw: bytes | memoryview) -> str:
+    """sha256 of a tensor's sampled pages (and its length): what :func:`tensor_sample_sha256` reads from a file."""
+    view = memoryview(raw).cast("B")
+    h = hashlib.sha256(_SAMPLE_TAG + len(view).to_bytes(8, "little"))
+    for off, n in _sample_spans(len(view)):
+        h.update(view[off : off + n])
+    return h.hexdigest()
+
+
+def tensor_sample_sha256(ckpt_dir: Path, header: Header) -> str:
+    """:func:`sample_sha256` of one stored tensor, reading only its sampled pages."""
+    start, end = header.span
+    h = hashlib.sha256(_SAMPLE_TAG + (end - start).to_bytes(8, "little"))
+    with open(Path(ckpt_dir) / header.file, "rb", buffering=0) as fh:
+        for off, n in _sample_spans(end - start):
+            page = os.pread(fh.fileno(), n, start + off)
+            if len(page) != n:
+                raise CorruptCheckpointError(
+                    f"{Path(ckpt_dir) / header.file}: ends inside tensor bytes [{start}, {end}); re-download it"
+                )
+            h.update(page)
     return h.hexdigest()
