@@ -1,9 +1,9 @@
 """Reference implementation: LoRA on DeepSeek-V4 with Megatron-Core and Megatron-Bridge.
 
 The public API (what the suites reach through the ``impl`` fixture) is ``__all__``. Names load lazily:
-``import impl`` is cheap, and the first use of a name from a module that needs megatron installs the
-CPU compatibility layer (``impl.compat``) before megatron is imported. So ``dsv4-lora verify-adapter``
-and exporter ranks never pay for megatron, and nothing can import megatron ahead of the compat layer.
+``import impl`` is cheap, and every module that imports megatron imports ``impl.compat.active`` first, which
+installs the CPU compatibility layer (``suites/meta/test_compat_first.py`` checks it). So ``dsv4-lora
+verify-adapter`` and exporter ranks never pay for megatron, and nothing can import megatron ahead of the layer.
 """
 
 from __future__ import annotations
@@ -240,34 +240,6 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "verify_adapter",
     ),
 }
-#: modules whose import needs megatron (compat layer first)
-_NEEDS_MEGATRON = {
-    "impl.adapter.gather",
-    "impl.conversion.bridge",
-    "impl.conversion.coverage",
-    "impl.conversion.dispatch",
-    "impl.lora.wrappers",
-    "impl.lora.training",
-    "impl.lora.optimizer",
-    "impl.lora.checkpoint",
-    "impl.lora.resume",
-    "impl.adapter.importer",
-    "impl.conversion.mapping",
-    "impl.native.hyper",
-    "impl.native.layer",
-    "impl.native.model",
-    "impl.native.moe",
-    "impl.native.mtp",
-    "impl.native.attention",
-    "impl.native.norm",
-    "impl.native.activations",
-    "impl.native.parallel",
-    "impl.native.placement",
-    "impl.native.rope",
-    "impl.native.provider",
-    "impl.cli.qualify",
-    "impl.native.schedule",
-}
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
 __all__ = sorted([*_WHERE, "__version__", "compat_report", "errors"])
@@ -286,8 +258,6 @@ def __getattr__(name: str) -> Any:
         if name == "errors":
             return importlib.import_module("impl.errors")
         raise AttributeError(f"module 'impl' has no attribute {name!r}")
-    if module in _NEEDS_MEGATRON:
-        compat_report()
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

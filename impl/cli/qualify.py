@@ -130,6 +130,7 @@ class _RankRun:
 
 
 def _init_parallel(opts: QualifyOptions) -> None:
+    import impl.compat.active  # noqa: F401  (the rank's side: the CPU compat layer before megatron)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
