@@ -1,4 +1,4 @@
-"""Train -> gather -> export -> load with real PEFT reproduces the native model's logits (issue 6).
+"""Train -> gather -> export -> load with real PEFT reproduces the native model's logits.
 
 Per layout (TP=1, TP=2, EP=2, PP=2): the native model is built with [load base, LoRA] pre-wrap hooks and DDP,
 trained for a few Adam steps, gathered and exported (transformers dialect, with a base fingerprint). In this

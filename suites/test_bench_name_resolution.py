@@ -4,7 +4,7 @@ to Megatron-Bridge 0.6.2's own ``DeepSeekV4Bridge`` registry, same run.
 
 Prints names/second, seconds and the speed-up per direction (median of 5 repeats, ours and Megatron-Bridge
 interleaved so that load drift hits both), on the wall clock and on this process's CPU clock (the wall clock
-also counts other processes' time on a shared machine). Never asserts on time. Target (issue 4): >= 10x faster
+also counts other processes' time on a shared machine). Never asserts on time. Target: >= 10x faster
 than Megatron-Bridge and < 0.5 s for the whole manifest in both directions. The timed loop is ``deque(map(fn, names),
 maxlen=0)`` for both sides, so harness overhead is negligible; both return fully built results (ours keeps no
 per-name cache, so every repeat does the full work).

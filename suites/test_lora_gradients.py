@@ -1,5 +1,5 @@
 """At step 0 the native model's LoRA gradients are the gradients of the same adapter on transformers'
-DeepseekV4ForCausalLM + HF PEFT (issue 16, point 4): finite updates alone do not show the gradients point downhill.
+DeepseekV4ForCausalLM + HF PEFT: finite updates alone do not show the gradients point downhill.
 
 Both sides get the same seeded adapter (B non-zero, so A's gradient is not trivially zero), the same batch and the
 same loss (mean token cross-entropy against the same labels), in fp32. The native gradient is what the

@@ -1,5 +1,5 @@
 """A native LoRA model with non-zero adapters on all five attention targets computes exactly what transformers'
-DeepseekV4ForCausalLM computes with ``W + (alpha/r) * B @ A`` merged into those five weights (issue 5).
+DeepseekV4ForCausalLM computes with ``W + (alpha/r) * B @ A`` merged into those five weights.
 
 The native model is built the canonical Megatron-Bridge way (provider with pre-wrap hooks [load the official base,
 then LoRA], DDP) and trained for a few steps, so every lora_B is non-zero. The merge is done by hand from the

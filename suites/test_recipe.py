@@ -1,4 +1,4 @@
-"""The DeepSeek-V4-Flash LoRA recipe (issue 7): a runnable 32-GPU layout, the generated pipeline layout, the
+"""The DeepSeek-V4-Flash LoRA recipe: a runnable 32-GPU layout, the generated pipeline layout, the
 hardware gate evaluated when the recipe is built, typed rejection of layouts that cannot run, and a tiny twin
 that drives ``dsv4-lora qualify`` end to end on 2 CPU ranks. Also: the launch scripts parse, and the GPU suites
 collect (and skip with the CUDA reason) on a CPU host."""

@@ -39,7 +39,7 @@ from impl.lora.vocabulary import TARGET_TABLE
 #: the progress lines of a run: starting the ranks (the launcher), then seven steps on rank 0
 STEP_COUNT = 8
 #: intra-op threads per rank unless OMP_NUM_THREADS is set: a tiny model's ops gain nothing from more, and on a
-#: shared host OpenMP's barriers wait for descheduled threads (training steps took 50x longer with two)
+#: shared host OpenMP's barriers wait for descheduled threads (docs/performance.md)
 RANK_THREADS = 1
 
 
@@ -131,6 +131,8 @@ class _RankRun:
 
 def _init_parallel(opts: QualifyOptions) -> None:
     import impl.compat.active  # noqa: F401  (the rank's side: the CPU compat layer before megatron)
+
+    # isort: split
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

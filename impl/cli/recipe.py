@@ -59,7 +59,7 @@ class ModelShape:
     vocab_size: int
 
 
-#: DeepSeek-V4-Flash, from the published config.json (v4_architecture.md §2.1).
+#: DeepSeek-V4-Flash, from the published config.json (docs/reference/v4_architecture.md §2.1).
 FLASH_SHAPE = ModelShape(
     name="DeepSeek-V4-Flash",
     num_layers=43,
@@ -72,7 +72,7 @@ FLASH_SHAPE = ModelShape(
 )
 
 
-#: DeepSeek-V4-Pro, from the published config.json (v4_architecture.md §2.1).
+#: DeepSeek-V4-Pro, from the published config.json (docs/reference/v4_architecture.md §2.1).
 PRO_SHAPE = ModelShape(
     name="DeepSeek-V4-Pro",
     num_layers=61,
@@ -167,10 +167,8 @@ class DeepseekV4LoRARecipe:
     seq_length: int = 4096  # Megatron-Bridge's V4 provider default
     moe_token_dispatcher_type: str = "alltoall"  # the SFT recipe's choice (flex/HybridEP needs DeepEP kernels)
     # Megatron's recompute options, honoured by the native layers (impl.ActivationPlan). Upstream SFT recomputes
-    # moe_act/mhc selectively; at micro-batch 1 x 4096 tokens with 11 layers and 4 micro-batches in flight on
-    # stage 0 the native graph keeps ~240 GB of activations without whole-layer recompute, so the LoRA recipe
-    # recomputes whole layers
-    # (recipes/deepseek_v4_flash_lora.md, memory table).
+    # moe_act/mhc selectively; the native graph's activations on stage 0 do not fit without whole-layer
+    # recompute, so the LoRA recipe recomputes whole layers (recipes/deepseek_v4_flash_lora.md, memory table).
     recompute_granularity: str | None = "full"
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1

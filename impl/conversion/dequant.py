@@ -85,7 +85,9 @@ def _gather_rows(table: torch.Tensor, codes: torch.Tensor, shifted: torch.Tensor
     index = _index_buffer(min(step, rows) * codes[0].numel(), codes.device).view(min(step, rows), *codes.shape[1:])
     for r in range(0, rows, step):
         n = min(step, rows - r)
-        index[:n].copy_(codes[r : r + n]).add_(shifted[r : r + n])  # one dtype: torch.add(uint8, int32) is 2x slower
+        index[:n].copy_(codes[r : r + n]).add_(
+            shifted[r : r + n]
+        )  # one dtype: a mixed-dtype add is slower (docs/performance.md)
         torch.index_select(table, 0, index[:n].view(-1), out=out[r : r + n].view(-1))
 
 

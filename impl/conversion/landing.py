@@ -2,8 +2,8 @@
 
 The strict load hands each checkpoint tensor to the row's Megatron-Bridge mapping (``hf_to_megatron``) and copies
 the result into the parameter. For a quantized weight on a rank without tensor parallelism that costs a
-full-size dequantized tensor, Bridge's concatenation of gate and up (a fresh allocation) and the copy, about three
-times the work of the dequantization itself. Where Bridge only *places* the tensors (returns its input, or
+full-size dequantized tensor, Bridge's concatenation of gate and up (a fresh allocation) and the copy: more work
+than the dequantization itself (docs/performance.md). Where Bridge only *places* the tensors (returns its input, or
 concatenates inputs), the loader can instead dequantize straight into the parameter at the places Bridge would
 have put them. Those places are never assumed: :func:`landing_views` asks the mapping, once per table row, module
 class, parameter and input shapes, with a probe whose every element holds its own index, and returns views of the

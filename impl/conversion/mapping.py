@@ -144,8 +144,8 @@ def check_mapping_table(table: Iterable[MappingRow]) -> None:
 
 
 # Results are plain tuples, unpacked by callers (``official, row, native, role = hit``): a tuple comes from the
-# interpreter's free list, a NamedTuple instance is a heap-type allocation and deallocation, a sizeable share of a
-# routed-expert lookup (figures: docs/performance.md).
+# interpreter's free list, a NamedTuple instance is a heap-type allocation on the routed-expert hot path
+# (docs/performance.md).
 OfficialMatch = tuple[str, MappingRow, str, str | None]
 """``(official, row, native, role)``: an official name, its row, the (global-index) native name it loads into, and
 ``"gate"`` / ``"up"`` for gated rows (else None)."""
@@ -153,8 +153,8 @@ NativeMatch = tuple[str, MappingRow, tuple[str, ...]]
 """``(native, row, official)``: a (global-index) native name, its row and its official name(s) (gate, up if gated)."""
 
 
-# The hot path. Each index is compiled into two regexes, routed-expert patterns (94% of a full-size manifest:
-# 33k of Flash's 35k names) and the rest, so the common match runs a small automaton with few groups and the
+# The hot path. Each index is compiled into two regexes, routed-expert patterns (most of a full-size manifest's
+# names) and the rest, so the common match runs a small automaton with few groups and the
 # rare one pays one extra failed match.
 # A regex is a character trie of its patterns, ``*`` as a ``([0-9]+)`` group (ASCII only: ``\d`` would also take
 # other scripts' digits, and ``int()`` reads them, so ``layers.\u0663`` would alias layer 3), every pattern ending in
