@@ -23,62 +23,11 @@ semantics                     Megatron-Bridge class        meaning
 ``expert_row``                ``RowParallelMapping``       ``w2`` per expert (expert-TP), EP-gathered
 ============================  ===========================  =================================================
 
-Rows (``layers.*.`` <-> ``decoder.layers.*.``; ``mtp`` = also generated for the MTP layer):
-
-======================================  ===============================================  ==========  ================  ===
-official                                native                                           semantics   group             mtp
-======================================  ===============================================  ==========  ================  ===
-``embed.weight``                        ``embedding.word_embeddings.weight``             vocab       embedding
-``head.weight``                         ``output_layer.weight``                          vocab       embedding
-``norm.weight``                         ``decoder.final_layernorm.weight``               replicated  norm
-``hc_head_{fn,base,scale}``             ``decoder.hc_head_params.hc_head_{...}``         replicated  hyper_connection
-``layers.*.attn_norm.weight``           ``...input_layernorm.weight``                    replicated  norm              yes
-``layers.*.ffn_norm.weight``            ``...pre_mlp_layernorm.weight``                  replicated  norm              yes
-``layers.*.hc_{attn,ffn}_{fn,base,scale}``  ``...hc_{attn,ffn}_{fn,base,scale}``         replicated  hyper_connection  yes
-``layers.*.attn.attn_sink``             ``...self_attention.attn_sink``                  column      attention_sink    yes
-``layers.*.attn.wq_a.weight``           ``...self_attention.wq_a.weight``                replicated  attention         yes
-``layers.*.attn.q_norm.weight``         ``...self_attention.q_norm.weight``              replicated  norm              yes
-``layers.*.attn.wq_b.weight``           ``...self_attention.wq_b.weight``                column      attention         yes
-``layers.*.attn.wkv.weight``            ``...self_attention.wkv.weight``                 replicated  attention         yes
-``layers.*.attn.kv_norm.weight``        ``...self_attention.kv_norm.weight``             replicated  norm              yes
-``layers.*.attn.wo_a.weight``           ``...self_attention.wo_a.weight``                column      attention         yes
-``layers.*.attn.wo_b.weight``           ``...self_attention.wo_b.weight``                row         attention         yes
-``layers.*.attn.compressor.{ape,wkv.weight,wgate.weight,norm.weight}``  ``...self_attention.compressor.{...}``  replicated  compressor
-``layers.*.attn.indexer.wq_b.weight``   ``...self_attention.indexer.linear_wq_b.weight``  replicated  indexer
-``layers.*.attn.indexer.weights_proj.weight``  ``...indexer.linear_weights_proj.weight``  replicated  indexer
-``layers.*.attn.indexer.compressor.{...}``  ``...self_attention.indexer.compressor.{...}``  replicated  indexer
-``layers.*.ffn.gate.weight``            ``...mlp.router.weight``                         replicated  routing           yes
-``layers.*.ffn.gate.bias``              ``...mlp.router.expert_bias``                    replicated  routing           yes
-``layers.*.ffn.gate.tid2eid``           ``...mlp.router.tid2eid`` (int64 buffer)         replicated  routing
-``layers.*.ffn.experts.*.{w1,w3}.weight``  ``...mlp.experts.local_experts.*.linear_fc1.weight``  expert_gated_mlp  expert  yes
-``layers.*.ffn.experts.*.w2.weight``    ``...mlp.experts.local_experts.*.linear_fc2.weight``  expert_row  expert     yes
-``layers.*.ffn.shared_experts.{w1,w3}.weight``  ``...mlp.shared_experts.linear_fc1.weight``  replicated_gated_mlp  shared_expert  yes
-``layers.*.ffn.shared_experts.w2.weight``  ``...mlp.shared_experts.linear_fc2.weight``  replicated  shared_expert     yes
-``mtp.*.{enorm,hnorm}.weight``          ``mtp.layers.*.{enorm,hnorm}.weight``            replicated  mtp
-``mtp.*.norm.weight``                   ``mtp.layers.*.final_layernorm.weight``          replicated  mtp
-``mtp.*.{e_proj,h_proj}.weight``        ``mtp.layers.*.{e_proj,h_proj}.weight``          replicated  mtp
-``mtp.*.hc_head_{fn,base,scale}``       ``mtp.layers.*.hc_head_params.hc_head_{...}``    replicated  mtp
-======================================  ===============================================  ==========  ================  ===
-
-Each row also carries its ``upstream`` name(s): upstream Megatron-Core's ``dsv4_hybrid`` graph, the layout
-Megatron-Bridge's ``DeepSeekV4Bridge`` maps onto (names only: the semantics column describes the Miles graph, the one
-this implementation builds). Where it differs from the Miles column:
-
-=====================================  =============================================================================
-Miles (``decoder.layers.*.``)          upstream (``decoder.layers.*.``)
-=====================================  =============================================================================
-``self_attention.{wq_a,wq_b,wkv}``     ``self_attention.{linear_q_down_proj,linear_q_up_proj,linear_kv_proj}``
-``self_attention.{q_norm,kv_norm}``    ``self_attention.{q_layernorm,kv_layernorm}``
-``self_attention.wo_a.weight``         ``self_attention.linear_o_group_proj`` (a raw ``nn.Parameter``: no LoRA)
-``self_attention.wo_b``                ``self_attention.linear_proj``
-``self_attention.attn_sink``           ``self_attention.core_attention.attn_sink``
-``self_attention.compressor.{wkv,..}`` ``self_attention.core_attention.compressor.{linear_wkv,linear_wgate,..}``
-``self_attention.indexer.*``           ``self_attention.core_attention.indexer.*`` (compressor linears as above)
-``hc_{attn,ffn}_{fn,base}``            ``{self_attention,mlp}_hyper_connection.{mapping_proj.weight,bias}``
-``hc_{attn,ffn}_scale``                ``..._hyper_connection.{alpha_pre,alpha_post,alpha_res}`` (one [3] tensor split)
-``mlp.experts.local_experts.*.fc1``    ``mlp.experts.linear_fc1.weight*`` (grouped GEMM, global expert index)
-``hc_head_params.hc_head_*``           ``hc_head_*`` (on ``decoder`` and on each MTP layer)
-=====================================  =============================================================================
+The rows are :data:`_LAYER_TEMPLATE` (one :class:`LayerRow` per decoder-layer family, prefixed for the decoder
+and the MTP layer) and the few model-level rows of :func:`_build_table`. Each row also carries its ``upstream``
+name(s): upstream Megatron-Core's ``dsv4_hybrid`` graph, the layout Megatron-Bridge's ``DeepSeekV4Bridge`` maps onto
+(names only: the semantics describe the Miles graph, the one this implementation builds). ``dsv4-lora coverage
+--manifest flash`` prints every official name with the native name and semantics it maps to.
 """
 
 from __future__ import annotations
@@ -193,183 +142,203 @@ def _hc_upstream(site: str, p: str) -> str | tuple[str, ...]:
 
 _CORE = "self_attention.core_attention"
 
-# (official suffix | (gate, up), native suffix, upstream suffix(es), semantics, group, in MTP layer, note)
-_LAYER_TEMPLATE: tuple[tuple[Any, str, Any, str, str, bool, str], ...] = (
-    ("attn_norm.weight", "input_layernorm.weight", "input_layernorm.weight", "replicated", "norm", True, ""),
-    ("ffn_norm.weight", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.weight", "replicated", "norm", True, ""),
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One tensor family of a decoder layer, as suffixes after ``layers.*.`` (official) / ``decoder.layers.*.``
+    (native, upstream); :func:`_build_table` prefixes it for the decoder and, where ``in_mtp``, for the MTP layer."""
+
+    official: str | tuple[str, str]  # a (gate, up) pair for gated rows
+    native: str
+    upstream: str | tuple[str, ...]
+    semantics: str
+    group: str
+    in_mtp: bool  # the MTP layer has this tensor too
+    note: str = ""
+    hash_layers: bool | None = None  # only in hash-routed layers (True), only in score-routed ones (False)
+
+
+_LAYER_TEMPLATE: tuple[LayerRow, ...] = (
+    LayerRow("attn_norm.weight", "input_layernorm.weight", "input_layernorm.weight", "replicated", "norm", True),
+    LayerRow("ffn_norm.weight", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.weight", "replicated", "norm", True),
     *(
-        (f"hc_{site}_{p}", f"hc_{site}_{p}", _hc_upstream(site, p), "replicated", "hyper_connection", True, "fp32")
+        LayerRow(
+            official=f"hc_{site}_{p}",
+            native=f"hc_{site}_{p}",
+            upstream=_hc_upstream(site, p),
+            semantics="replicated",
+            group="hyper_connection",
+            in_mtp=True,
+            note="fp32",
+        )
         for site in ("attn", "ffn")
         for p in ("fn", "base", "scale")
     ),
-    (
-        "attn.attn_sink",
-        "self_attention.attn_sink",
-        f"{_CORE}.attn_sink",
-        "column",
-        "attention_sink",
-        True,
-        "fp32, one per head",
+    LayerRow(
+        official="attn.attn_sink",
+        native="self_attention.attn_sink",
+        upstream=f"{_CORE}.attn_sink",
+        semantics="column",
+        group="attention_sink",
+        in_mtp=True,
+        note="fp32, one per head",
     ),
-    (
-        "attn.wq_a.weight",
-        "self_attention.wq_a.weight",
-        "self_attention.linear_q_down_proj.weight",
-        "replicated",
-        "attention",
-        True,
-        "",
+    LayerRow(
+        official="attn.wq_a.weight",
+        native="self_attention.wq_a.weight",
+        upstream="self_attention.linear_q_down_proj.weight",
+        semantics="replicated",
+        group="attention",
+        in_mtp=True,
     ),
-    (
-        "attn.q_norm.weight",
-        "self_attention.q_norm.weight",
-        "self_attention.q_layernorm.weight",
-        "replicated",
-        "norm",
-        True,
-        "",
+    LayerRow(
+        official="attn.q_norm.weight",
+        native="self_attention.q_norm.weight",
+        upstream="self_attention.q_layernorm.weight",
+        semantics="replicated",
+        group="norm",
+        in_mtp=True,
     ),
-    (
-        "attn.wq_b.weight",
-        "self_attention.wq_b.weight",
-        "self_attention.linear_q_up_proj.weight",
-        "column",
-        "attention",
-        True,
-        "split by heads",
+    LayerRow(
+        official="attn.wq_b.weight",
+        native="self_attention.wq_b.weight",
+        upstream="self_attention.linear_q_up_proj.weight",
+        semantics="column",
+        group="attention",
+        in_mtp=True,
+        note="split by heads",
     ),
-    (
-        "attn.wkv.weight",
-        "self_attention.wkv.weight",
-        "self_attention.linear_kv_proj.weight",
-        "replicated",
-        "attention",
-        True,
-        "",
+    LayerRow(
+        official="attn.wkv.weight",
+        native="self_attention.wkv.weight",
+        upstream="self_attention.linear_kv_proj.weight",
+        semantics="replicated",
+        group="attention",
+        in_mtp=True,
     ),
-    (
-        "attn.kv_norm.weight",
-        "self_attention.kv_norm.weight",
-        "self_attention.kv_layernorm.weight",
-        "replicated",
-        "norm",
-        True,
-        "",
+    LayerRow(
+        official="attn.kv_norm.weight",
+        native="self_attention.kv_norm.weight",
+        upstream="self_attention.kv_layernorm.weight",
+        semantics="replicated",
+        group="norm",
+        in_mtp=True,
     ),
-    (
-        "attn.wo_a.weight",
-        "self_attention.wo_a.weight",
-        "self_attention.linear_o_group_proj",  # a raw nn.Parameter upstream, not a module
-        "column",
-        "attention",
-        True,
-        "split by output groups",
+    LayerRow(
+        official="attn.wo_a.weight",
+        native="self_attention.wo_a.weight",
+        upstream="self_attention.linear_o_group_proj",  # a raw nn.Parameter upstream, not a module
+        semantics="column",
+        group="attention",
+        in_mtp=True,
+        note="split by output groups",
     ),
-    (
-        "attn.wo_b.weight",
-        "self_attention.wo_b.weight",
-        "self_attention.linear_proj.weight",
-        "row",
-        "attention",
-        True,
-        "",
+    LayerRow(
+        official="attn.wo_b.weight",
+        native="self_attention.wo_b.weight",
+        upstream="self_attention.linear_proj.weight",
+        semantics="row",
+        group="attention",
+        in_mtp=True,
     ),
     *(
-        (
-            f"attn.compressor.{p}",
-            f"self_attention.compressor.{p}",
-            f"{_CORE}.compressor.{up}",
-            "replicated",
-            "compressor",
-            False,
-            "ratio > 0",
+        LayerRow(
+            official=f"attn.compressor.{p}",
+            native=f"self_attention.compressor.{p}",
+            upstream=f"{_CORE}.compressor.{up}",
+            semantics="replicated",
+            group="compressor",
+            in_mtp=False,
+            note="ratio > 0",
         )
         for p, up in _CSA_PARAM.items()
     ),
-    (
-        "attn.indexer.wq_b.weight",
-        "self_attention.indexer.linear_wq_b.weight",
-        f"{_CORE}.indexer.linear_wq_b.weight",
-        "replicated",
-        "indexer",
-        False,
-        "ratio 4",
+    LayerRow(
+        official="attn.indexer.wq_b.weight",
+        native="self_attention.indexer.linear_wq_b.weight",
+        upstream=f"{_CORE}.indexer.linear_wq_b.weight",
+        semantics="replicated",
+        group="indexer",
+        in_mtp=False,
+        note="ratio 4",
     ),
-    (
-        "attn.indexer.weights_proj.weight",
-        "self_attention.indexer.linear_weights_proj.weight",
-        f"{_CORE}.indexer.linear_weights_proj.weight",
-        "replicated",
-        "indexer",
-        False,
-        "ratio 4",
+    LayerRow(
+        official="attn.indexer.weights_proj.weight",
+        native="self_attention.indexer.linear_weights_proj.weight",
+        upstream=f"{_CORE}.indexer.linear_weights_proj.weight",
+        semantics="replicated",
+        group="indexer",
+        in_mtp=False,
+        note="ratio 4",
     ),
     *(
-        (
-            f"attn.indexer.compressor.{p}",
-            f"self_attention.indexer.compressor.{p}",
-            f"{_CORE}.indexer.compressor.{up}",
-            "replicated",
-            "indexer",
-            False,
-            "ratio 4",
+        LayerRow(
+            official=f"attn.indexer.compressor.{p}",
+            native=f"self_attention.indexer.compressor.{p}",
+            upstream=f"{_CORE}.indexer.compressor.{up}",
+            semantics="replicated",
+            group="indexer",
+            in_mtp=False,
+            note="ratio 4",
         )
         for p, up in _CSA_PARAM.items()
     ),
-    ("ffn.gate.weight", "mlp.router.weight", "mlp.router.weight", "replicated", "routing", True, ""),
-    (
-        "ffn.gate.bias",
-        "mlp.router.expert_bias",
-        "mlp.router.expert_bias",
-        "replicated",
-        "routing",
-        True,
-        "fp32, score-routed layers",
+    LayerRow("ffn.gate.weight", "mlp.router.weight", "mlp.router.weight", "replicated", "routing", True),
+    LayerRow(
+        official="ffn.gate.bias",
+        native="mlp.router.expert_bias",
+        upstream="mlp.router.expert_bias",
+        semantics="replicated",
+        group="routing",
+        in_mtp=True,
+        note="fp32, score-routed layers",
+        hash_layers=False,
     ),
-    (
-        "ffn.gate.tid2eid",
-        "mlp.router.tid2eid",
-        "mlp.router.tid2eid",
-        "replicated",
-        "routing",
-        False,
-        "int64 buffer, hash layers",
+    LayerRow(
+        official="ffn.gate.tid2eid",
+        native="mlp.router.tid2eid",
+        upstream="mlp.router.tid2eid",
+        semantics="replicated",
+        group="routing",
+        in_mtp=False,
+        note="int64 buffer, hash layers",
+        hash_layers=True,
     ),
-    (
-        ("ffn.experts.*.w1.weight", "ffn.experts.*.w3.weight"),
-        "mlp.experts.local_experts.*.linear_fc1.weight",
-        "mlp.experts.linear_fc1.weight*",
-        "expert_gated_mlp",
-        "expert",
-        True,
-        "global expert index in the official name, local in the native one",
+    LayerRow(
+        official=("ffn.experts.*.w1.weight", "ffn.experts.*.w3.weight"),
+        native="mlp.experts.local_experts.*.linear_fc1.weight",
+        upstream="mlp.experts.linear_fc1.weight*",
+        semantics="expert_gated_mlp",
+        group="expert",
+        in_mtp=True,
+        note="global expert index in the official name, local in the native one",
     ),
-    (
-        "ffn.experts.*.w2.weight",
-        "mlp.experts.local_experts.*.linear_fc2.weight",
-        "mlp.experts.linear_fc2.weight*",
-        "expert_row",
-        "expert",
-        True,
-        "global expert index in the official name, local in the native one",
+    LayerRow(
+        official="ffn.experts.*.w2.weight",
+        native="mlp.experts.local_experts.*.linear_fc2.weight",
+        upstream="mlp.experts.linear_fc2.weight*",
+        semantics="expert_row",
+        group="expert",
+        in_mtp=True,
+        note="global expert index in the official name, local in the native one",
     ),
-    (
-        ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
-        "mlp.shared_experts.linear_fc1.weight",
-        "mlp.shared_experts.linear_fc1.weight",
-        "replicated_gated_mlp",
-        "shared_expert",
-        True,
-        "replicated over TP (impl.native.moe)",
+    LayerRow(
+        official=("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
+        native="mlp.shared_experts.linear_fc1.weight",
+        upstream="mlp.shared_experts.linear_fc1.weight",
+        semantics="replicated_gated_mlp",
+        group="shared_expert",
+        in_mtp=True,
+        note="replicated over TP (impl.native.moe)",
     ),
-    (
-        "ffn.shared_experts.w2.weight",
-        "mlp.shared_experts.linear_fc2.weight",
-        "mlp.shared_experts.linear_fc2.weight",
-        "replicated",
-        "shared_expert",
-        True,
-        "replicated over TP (impl.native.moe)",
+    LayerRow(
+        official="ffn.shared_experts.w2.weight",
+        native="mlp.shared_experts.linear_fc2.weight",
+        upstream="mlp.shared_experts.linear_fc2.weight",
+        semantics="replicated",
+        group="shared_expert",
+        in_mtp=True,
+        note="replicated over TP (impl.native.moe)",
     ),
 )
 
@@ -401,28 +370,29 @@ def _build_table() -> tuple[MappingRow, ...]:
             for p in ("fn", "base", "scale")
         ),
     ]
-    for off, nat, up, sem, grp, _in_mtp, note in _LAYER_TEMPLATE:
+    for t in _LAYER_TEMPLATE:
         rows.append(
             MappingRow(
-                _prefixed("layers.*.", off),
-                f"decoder.layers.*.{nat}",
-                _prefixed("decoder.layers.*.", up),
-                sem,
-                grp,
-                note,
+                official=_prefixed("layers.*.", t.official),
+                native=f"decoder.layers.*.{t.native}",
+                upstream=_prefixed("decoder.layers.*.", t.upstream),
+                semantics=t.semantics,
+                group=t.group,
+                note=t.note,
             )
         )
     # MTP: generated from the same template, so a per-layer fix reaches the MTP layer too.
-    for off, nat, up, sem, grp, in_mtp, note in _LAYER_TEMPLATE:
-        if in_mtp:
+    for t in _LAYER_TEMPLATE:
+        if t.in_mtp:
+            first = t.official if isinstance(t.official, str) else t.official[0]
             rows.append(
                 MappingRow(
-                    _prefixed("mtp.*.", off),
-                    f"mtp.layers.*.mtp_model_layer.{nat}",
-                    _prefixed("mtp.layers.*.mtp_model_layer.", up),
-                    sem,
-                    grp,
-                    f"MTP copy of layers.*.{off if isinstance(off, str) else off[0]}" + (f"; {note}" if note else ""),
+                    official=_prefixed("mtp.*.", t.official),
+                    native=f"mtp.layers.*.mtp_model_layer.{t.native}",
+                    upstream=_prefixed("mtp.layers.*.mtp_model_layer.", t.upstream),
+                    semantics=t.semantics,
+                    group=t.group,
+                    note=f"MTP copy of layers.*.{first}" + (f"; {t.note}" if t.note else ""),
                 )
             )
     rows += [
@@ -510,20 +480,17 @@ def _cfg(config: Any) -> Any:
 
 
 def _layer_names(prefix: str, ratio: int, hash_layer: bool, n_experts: int, in_mtp: bool) -> Iterator[str]:
-    for off, _nat, _up, _sem, grp, mtp_ok, _note in _LAYER_TEMPLATE:
-        if in_mtp and not mtp_ok:
+    for t in _LAYER_TEMPLATE:
+        if in_mtp and not t.in_mtp:
             continue
-        first = off if isinstance(off, str) else off[0]
-        if grp == "compressor" and ratio == 0:
+        if t.group == "compressor" and ratio == 0:
             continue
-        if grp == "indexer" and ratio != 4:
+        if t.group == "indexer" and ratio != 4:
             continue
-        if first == "ffn.gate.tid2eid" and not hash_layer:
+        if t.hash_layers is not None and t.hash_layers != hash_layer:
             continue
-        if first == "ffn.gate.bias" and hash_layer:
-            continue
-        names = off if isinstance(off, tuple) else (off,)
-        if grp == "expert":
+        names = t.official if isinstance(t.official, tuple) else (t.official,)
+        if t.group == "expert":
             for e in range(n_experts):
                 yield from (prefix + n.replace("*", str(e)) for n in names)
         else:
