@@ -1,9 +1,16 @@
-"""Typed errors. Every error this package raises on bad input subclasses :class:`Dsv4Error`,
-names the offending object, and says what to do next."""
+"""Typed errors, all of them: every error class of the package is defined here (``suites/meta/test_errors_in_one_place.py``
+checks it) and re-exported by the module that raises it. Every error this package raises on bad input subclasses
+:class:`Dsv4Error`, names the offending object, and says what to do next."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 __all__ = [
+    "BackendMismatch",
+    "RanksDisagree",
+    "LaunchError",
     "Dsv4Error",
     "NotDeepseekV4Error",
     "DeepseekV41UnsupportedError",
@@ -23,6 +30,28 @@ __all__ = [
     "UsageError",
     "ConsumerSupportError",
     "PickleAdapterError",
+    "DevicePlacementError",
+    "AttentionInputError",
+    "AdapterGatherError",
+    "AdapterValidationError",
+    "UpstreamAdapterError",
+    "EmptyAdapterError",
+    "MissingAdapterHalfError",
+    "AdapterShapeError",
+    "NonFiniteAdapterError",
+    "MtpNotExportableError",
+    "PublicationError",
+    "PublishedVersionError",
+    "AdapterImportError",
+    "CollectiveExportError",
+    "NativeShardError",
+    "FingerprintMismatchError",
+    "TransformerEngineStubError",
+    "TransformerEngineImportError",
+    "BridgeImportError",
+    "TrainingCheckpointError",
+    "MappingTableError",
+    "ProviderDispatchError",
 ]
 
 
@@ -107,3 +136,109 @@ class ConsumerSupportError(ExportError):
 class PickleAdapterError(InputFileError):
     """A pickled adapter (``adapter_model.bin`` / ``*.pt``) cannot be converted: missing, refused by
     ``torch.load(weights_only=True)``, or not a flat dict of tensors (file and what it holds named)."""
+
+
+class DevicePlacementError(Dsv4Error, RuntimeError):
+    """Tensors of a rank live on another device than the rank's (every one is named)."""
+
+
+class AttentionInputError(Dsv4Error, ValueError):
+    """The attention got hidden states / position ids of the wrong shape or dtype (named in the message)."""
+
+
+class AdapterGatherError(ExportError):
+    """The shards of one adapter tensor do not fit together (ranks or stages disagree); names the tensor."""
+
+
+class AdapterValidationError(ExportError):
+    """An exported adapter directory is inconsistent (file, tensor or field named)."""
+
+
+class UpstreamAdapterError(ExportError):
+    """An upstream-layout adapter name that no Megatron-Bridge LoRA can produce (named, with the reason)."""
+
+
+class EmptyAdapterError(ExportError):
+    """The adapter state holds no tensors, or a declared target has none."""
+
+
+class MissingAdapterHalfError(ExportError):
+    """A module has lora_A without lora_B (or the reverse)."""
+
+
+class AdapterShapeError(ExportError):
+    """A LoRA tensor's shape disagrees with r or with the base weight it adapts."""
+
+
+class NonFiniteAdapterError(ExportError):
+    """A LoRA tensor holds NaN or Inf."""
+
+
+class MtpNotExportableError(ExportError):
+    """MTP adapters cannot be expressed in the requested dialect."""
+
+
+class PublicationError(ExportError):
+    """A collective publication failed on one or more ranks (named, with the cause); nothing was published."""
+
+
+class PublishedVersionError(ExportError):
+    """A versioned publication root without a current version, or a pointer that leads nowhere."""
+
+
+class AdapterImportError(InputFileError):
+    """A published adapter that cannot be loaded into this model; names the file, tensor or setting."""
+
+
+class CollectiveExportError(ExportError):
+    """The export failed on one or more ranks; the message names each rank, its phase and cause."""
+
+
+class NativeShardError(ExportError):
+    """Native LoRA shards that do not make one adapter (missing ranks, replicas that disagree, odd names)."""
+
+
+class FingerprintMismatchError(Dsv4Error, ValueError):
+    """The adapter was trained against a different base (the differing tensors are named)."""
+
+
+class TransformerEngineStubError(RuntimeError):
+    """A CPU import stub of transformer_engine was used as if it were the real package."""
+
+
+class TransformerEngineImportError(Dsv4Error, ImportError):
+    """``transformer_engine`` is installed but fails to import (the cause is chained and named)."""
+
+
+class BridgeImportError(Dsv4Error, ImportError):
+    """Megatron-Bridge is installed but cannot import against this transformers (a module it imports is gone)."""
+
+
+class TrainingCheckpointError(Dsv4Error, RuntimeError):
+    """A training checkpoint could not be written, or is not one to resume from; names the file and the cause."""
+
+
+class MappingTableError(Dsv4Error, ValueError):
+    """The table itself is malformed (duplicate / ambiguous pattern, bad semantics or group)."""
+
+
+class ProviderDispatchError(Dsv4Error, LookupError):
+    """Megatron-Bridge's provider dispatch sends DeepSeek-V4 to another bridge on this pin (named, with why)."""
+
+
+class LaunchError(Dsv4Error, RuntimeError):
+    """One or more ranks failed or did not finish; the message is the per-rank report (``results``: every rank's
+    result, ``root_cause``: the first failure's, as the launcher found them)."""
+
+    def __init__(self, report: str, *, results: Sequence[Any], root_cause: Any = None):
+        super().__init__(report)
+        self.results = list(results)
+        self.root_cause = root_cause
+
+
+class RanksDisagree(Dsv4Error, RuntimeError):
+    """The ranks of a launched world are not about to run the same thing (function, case or caller's label)."""
+
+
+class BackendMismatch(Dsv4Error, RuntimeError):
+    """The call asks for one backend (NCCL for a GPU run) but this rank's default process group has another."""

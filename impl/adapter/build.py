@@ -20,27 +20,15 @@ import torch
 from impl.adapter.dialects import DIALECTS, PEFT_PREFIX, Dialect, NativeAdapterName, official_base_name, parse_native
 from impl.adapter.fingerprint import METADATA_KEY
 from impl.adapter.raw import finite_bits as raw_finite_bits
-from impl.errors import ExportError, MultiLoRAUnsupportedError
-
-
-class EmptyAdapterError(ExportError):
-    """The adapter state holds no tensors, or a declared target has none."""
-
-
-class MissingAdapterHalfError(ExportError):
-    """A module has lora_A without lora_B (or the reverse)."""
-
-
-class AdapterShapeError(ExportError):
-    """A LoRA tensor's shape disagrees with r or with the base weight it adapts."""
-
-
-class NonFiniteAdapterError(ExportError):
-    """A LoRA tensor holds NaN or Inf."""
-
-
-class MtpNotExportableError(ExportError):
-    """MTP adapters cannot be expressed in the requested dialect."""
+from impl.errors import (
+    AdapterShapeError,
+    EmptyAdapterError,
+    ExportError,
+    MissingAdapterHalfError,
+    MtpNotExportableError,
+    MultiLoRAUnsupportedError,
+    NonFiniteAdapterError,
+)
 
 
 @dataclass

@@ -25,12 +25,7 @@ from impl.adapter.build import AdapterState, BuildOptions
 from impl.adapter.exchange import StatusExchange
 from impl.adapter.files import COMPLETE_MARKER
 from impl.adapter.phases import EXPORT_PHASES, ExportContext, after_commit, roll_back
-from impl.errors import ExportError
-
-
-class CollectiveExportError(ExportError):
-    """The export failed on one or more ranks; the message names each rank, its phase and cause."""
-
+from impl.errors import CollectiveExportError, ExportError
 
 PhaseTable = Sequence[tuple[str, Callable[[ExportContext], None]]]
 

@@ -35,7 +35,7 @@ from impl.conversion.headers import (
     shard_files,
     tensor_sample_sha256,
 )
-from impl.errors import Dsv4Error
+from impl.errors import FingerprintMismatchError
 from impl.lora.vocabulary import TARGET_TABLE
 
 if TYPE_CHECKING:
@@ -46,10 +46,6 @@ METADATA_KEY = "dsv4_base_fingerprint"
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
 #: safetensors dtype -> the torch dtype name a record carries (what a loaded tensor's dtype prints as)
 TORCH_DTYPE_NAMES = DTYPE_NAMES
-
-
-class FingerprintMismatchError(Dsv4Error, ValueError):
-    """The adapter was trained against a different base (the differing tensors are named)."""
 
 
 class FingerprintCheck(NamedTuple):

@@ -20,6 +20,7 @@ each stage's TP-gathered tensors are exchanged over the pipeline group and merge
 from __future__ import annotations
 
 import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+from impl.errors import AdapterGatherError
 
 # isort: split
 
@@ -33,7 +34,6 @@ from torch import nn
 
 from impl.adapter.build import AdapterState
 from impl.adapter.dialects import match_native, native_adapter_name
-from impl.errors import ExportError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
 __all__ = [
@@ -45,10 +45,6 @@ __all__ = [
     "native_adapter_name",
     "unwrap_chunk",
 ]
-
-
-class AdapterGatherError(ExportError):
-    """The shards of one adapter tensor do not fit together (ranks or stages disagree); names the tensor."""
 
 
 def unwrap_chunk(chunk: nn.Module) -> nn.Module:

@@ -12,6 +12,7 @@ rescaled, so native -> PEFT -> native is bit-exact.
 from __future__ import annotations
 
 import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+from impl.errors import AdapterImportError
 
 # isort: split
 
@@ -30,15 +31,10 @@ from impl.adapter.exchange import StatusExchange, join_failures
 from impl.adapter.files import ADAPTER_FILE
 from impl.adapter.scatter import load_full, model_adapter_names, scatter_problems
 from impl.adapter.validation import lora_scale, validate_adapter_dir
-from impl.errors import InputFileError
 
 __all__ = ["AdapterImportError", "import_adapter", "read_published_adapter"]
 
 _HALF = {"lora_A": "A", "lora_B": "B"}
-
-
-class AdapterImportError(InputFileError):
-    """A published adapter that cannot be loaded into this model; names the file, tensor or setting."""
 
 
 def read_published_adapter(adapter_dir: str | os.PathLike, *, base: Any = None) -> AdapterState:

@@ -24,7 +24,7 @@ import torch
 
 from impl.adapter.build import AdapterState
 from impl.adapter.dialects import native_adapter_name, native_name, parse_native
-from impl.errors import ExportError, PickleAdapterError
+from impl.errors import NativeShardError, PickleAdapterError
 from impl.lora.vocabulary import ParallelStyle
 
 __all__ = ["NativeShardError", "is_native_shard_dir", "read_native_shards"]
@@ -32,10 +32,6 @@ __all__ = ["NativeShardError", "is_native_shard_dir", "read_native_shards"]
 _LEGACY = re.compile(r"adapter_megatron_tp(\d+)_pp(\d+)\.pt")
 _BY_RANK = re.compile(r"adapter_megatron_rank(\d+)\.pt")
 _LAYER = re.compile(r"(decoder\.layers\.)(\d+)(\.)")
-
-
-class NativeShardError(ExportError):
-    """Native LoRA shards that do not make one adapter (missing ranks, replicas that disagree, odd names)."""
 
 
 def is_adapter_param_name(name: str) -> bool:

@@ -25,11 +25,7 @@ import torch
 
 from impl.adapter.build import AdapterState, NonFiniteAdapterError, all_finite, publish_in_memory, raw_bytes
 from impl.adapter.exchange import StatusExchange, join_failures
-from impl.errors import ExportError
-
-
-class PublicationError(ExportError):
-    """A collective publication failed on one or more ranks (named, with the cause); nothing was published."""
+from impl.errors import PublicationError
 
 
 @dataclass(frozen=True)

@@ -11,16 +11,12 @@ so no second name table exists. No megatron import (exporter ranks stay light).
 from __future__ import annotations
 
 from impl.conversion.mapping import lookup_official, lookup_upstream
-from impl.errors import ExportError
+from impl.errors import UpstreamAdapterError
 
 __all__ = ["ADAPTER_HALVES", "UpstreamAdapterError", "miles_adapter_name"]
 
 #: Megatron-Bridge's two LoRA halves, as the suffix after ``<module>.adapter.``.
 ADAPTER_HALVES = ("linear_in.weight", "linear_out.weight")
-
-
-class UpstreamAdapterError(ExportError):
-    """An upstream-layout adapter name that no Megatron-Bridge LoRA can produce (named, with the reason)."""
 
 
 def miles_adapter_name(name: str) -> str | None:

@@ -41,15 +41,11 @@ from impl.adapter.fingerprint import (
 from impl.adapter.kinds import ModuleKind, place_module
 from impl.adapter.raw import RawTensor, all_finite, read_safetensors
 from impl.conversion.headers import SAMPLE_PAGES
-from impl.errors import ExportError
+from impl.errors import AdapterValidationError
 from impl.lora.vocabulary import TARGET_TABLE
 
 if TYPE_CHECKING:
     import torch
-
-
-class AdapterValidationError(ExportError):
-    """An exported adapter directory is inconsistent (file, tensor or field named)."""
 
 
 #: what PEFT loads a LoRA weight as (FP8 / integer tensors are not adapters)

@@ -28,7 +28,7 @@ from typing import Any
 
 from impl.adapter.export import export_adapter
 from impl.adapter.files import fsync_path
-from impl.errors import ExportError
+from impl.errors import PublishedVersionError
 
 __all__ = ["POINTER", "PublishedVersionError", "publish_version", "resolve_current", "version_dirs"]
 
@@ -36,10 +36,6 @@ POINTER = "current"
 HISTORY = ".history.json"
 _VERSION = re.compile(r"v(\d{8})")
 _LINK_TMP = f".{POINTER}.tmp"
-
-
-class PublishedVersionError(ExportError):
-    """A versioned publication root without a current version, or a pointer that leads nowhere."""
 
 
 def version_dirs(root: str | os.PathLike) -> dict[int, Path]:

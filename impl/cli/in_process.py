@@ -31,21 +31,13 @@ from typing import Any
 
 from impl.cli.rank_report import TIMEOUT, RankResult
 from impl.cli.spawn import Preload, collective_timeout_s, set_collective_timeout_s, start_up
-from impl.errors import Dsv4Error
+from impl.errors import BackendMismatch, RanksDisagree
 
 __all__ = ["BackendMismatch", "InProcessCall", "RanksDisagree", "gather_in_world", "run_in_process"]
 
 _POLL_S = 0.2
 _RESULTS_MARGIN_S = 30.0  # a rank waits this long past the run's timeout for its peers' results
 _CALLS = [0]  # calls made in this process; every rank of a world makes the same sequence
-
-
-class RanksDisagree(Dsv4Error, RuntimeError):
-    """The ranks of a launched world are not about to run the same thing (function, case or caller's label)."""
-
-
-class BackendMismatch(Dsv4Error, RuntimeError):
-    """The call asks for one backend (NCCL for a GPU run) but this rank's default process group has another."""
 
 
 @dataclass(frozen=True)

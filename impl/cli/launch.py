@@ -37,7 +37,7 @@ from impl.cli.rank_report import (
     root_cause,
 )
 from impl.cli.spawn import Preload, collective_timeout_s, spawn_ranks
-from impl.errors import Dsv4Error
+from impl.errors import LaunchError
 
 __all__ = [  # the outcome names and report helpers are re-exported for the suites' runner (fixtures/multirank.py)
     "GRACE_S",
@@ -62,15 +62,6 @@ __all__ = [  # the outcome names and report helpers are re-exported for the suit
 
 GRACE_S = 2.0  # after the first failure: time for peers to report their own error before they are stopped
 STARTUP_TIMEOUT_S = float(os.environ.get("DSV4_MULTIRANK_STARTUP_S", "300"))  # imports + unpickling, per call
-
-
-class LaunchError(Dsv4Error, RuntimeError):
-    """One or more ranks failed or did not finish; the message is the per-rank report."""
-
-    def __init__(self, report: str, *, results: Sequence[RankResult]):
-        super().__init__(report)
-        self.results = list(results)
-        self.root_cause = root_cause([r for r in results if not r.ok])
 
 
 @dataclass(frozen=True)
@@ -191,5 +182,5 @@ def run_on_ranks(
     )
     if any(not r.ok for r in results):
         report = format_report(results, fn_name=fn.__qualname__, world_size=nproc, timeout_s=timeout_s)
-        raise LaunchError(report, results=results)
+        raise LaunchError(report, results=results, root_cause=root_cause([r for r in results if not r.ok]))
     return [r.payload for r in results]

@@ -28,7 +28,7 @@ from typing import Any
 
 from impl.compat import cpu, mla, te_stub
 from impl.compat.te_stub import TransformerEngineStubError
-from impl.errors import Dsv4Error
+from impl.errors import BridgeImportError, TransformerEngineImportError
 
 __all__ = [
     "BridgeImportError",
@@ -37,14 +37,6 @@ __all__ = [
     "TransformerEngineStubError",
     "install",
 ]
-
-
-class TransformerEngineImportError(Dsv4Error, ImportError):
-    """``transformer_engine`` is installed but fails to import (the cause is chained and named)."""
-
-
-class BridgeImportError(Dsv4Error, ImportError):
-    """Megatron-Bridge is installed but cannot import against this transformers (a module it imports is gone)."""
 
 
 @dataclass(frozen=True)

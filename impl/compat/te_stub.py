@@ -14,11 +14,9 @@ import importlib.util
 import sys
 import types
 
+from impl.errors import TransformerEngineStubError
+
 STUB_VERSION = "0.0.0"
-
-
-class TransformerEngineStubError(RuntimeError):
-    """A CPU import stub of transformer_engine was used as if it were the real package."""
 
 
 class _PlaceholderMeta(type):

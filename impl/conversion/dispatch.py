@@ -14,6 +14,7 @@ so per pin (see :mod:`impl.conversion.bridge`):
 from __future__ import annotations
 
 import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+from impl.errors import ProviderDispatchError
 
 # isort: split
 
@@ -24,13 +25,8 @@ from megatron.bridge.models.conversion import model_bridge as _mb
 
 from impl.conversion.bridge import SOURCE, DeepseekV4ConversionBridge
 from impl.conversion.detect import require_deepseek_v4_config
-from impl.errors import Dsv4Error
 
 __all__ = ["ProviderDispatchError", "provider_through_megatron_bridge"]
-
-
-class ProviderDispatchError(Dsv4Error, LookupError):
-    """Megatron-Bridge's provider dispatch sends DeepSeek-V4 to another bridge on this pin (named, with why)."""
 
 
 def provider_through_megatron_bridge(hf_config: Any) -> Any:

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from impl.errors import Dsv4Error
+from impl.errors import MappingTableError
 
 __all__ = [
     "GATED_ROLES",
@@ -73,10 +73,6 @@ GROUPS = (
     "mtp",
 )
 GATED_ROLES = ("gate", "up")
-
-
-class MappingTableError(Dsv4Error, ValueError):
-    """The table itself is malformed (duplicate / ambiguous pattern, bad semantics or group)."""
 
 
 @dataclass(frozen=True)

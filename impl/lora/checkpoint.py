@@ -19,6 +19,7 @@ global names, as :func:`impl.gather_adapter_state` gathers them, which is what m
 from __future__ import annotations
 
 import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+from impl.errors import TrainingCheckpointError
 
 # isort: split
 
@@ -39,7 +40,6 @@ from impl.adapter.build import AdapterState, BuildOptions, all_finite, with_base
 from impl.adapter.exchange import StatusExchange, join_failures
 from impl.adapter.files import publish_files
 from impl.adapter.gather import adapter_parameters, gather_full, merge_stages
-from impl.errors import Dsv4Error
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -54,10 +54,6 @@ CHECKPOINT_FORMAT = "dsv4-lora-training"
 ADAPTER, OPTIMIZER, RNG, STATE = "adapter.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json"
 CHECKPOINT_FILES = (ADAPTER, OPTIMIZER, RNG, STATE)
 MASTER = "master"
-
-
-class TrainingCheckpointError(Dsv4Error, RuntimeError):
-    """A training checkpoint could not be written, or is not one to resume from; names the file and the cause."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ summed over ranks.
 from __future__ import annotations
 
 import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
+from impl.errors import AttentionInputError
 
 # isort: split
 import torch
@@ -24,7 +25,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
-from impl.errors import Dsv4Error, GroupedLoRAError, UnsupportedConfigError
+from impl.errors import GroupedLoRAError, UnsupportedConfigError
 from impl.native.activations import ActivationPlan, recompute
 from impl.native.compressor import Compressor
 from impl.native.config import V4Config
@@ -40,10 +41,6 @@ from impl.native.parallel import (
 from impl.native.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = ["AttentionInputError", "DeepseekV4Attention", "grouped_wo_a"]
-
-
-class AttentionInputError(Dsv4Error, ValueError):
-    """The attention got hidden states / position ids of the wrong shape or dtype (named in the message)."""
 
 
 def grouped_wo_a(module: nn.Module, x_grouped: torch.Tensor, *, groups: int, group_out: int) -> torch.Tensor:

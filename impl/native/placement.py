@@ -16,13 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from impl.errors import Dsv4Error
+from impl.errors import DevicePlacementError
 
 __all__ = ["DevicePlacementError", "Misplaced", "audit_devices", "rank_device", "require_devices"]
-
-
-class DevicePlacementError(Dsv4Error, RuntimeError):
-    """Tensors of a rank live on another device than the rank's (every one is named)."""
 
 
 @dataclass(frozen=True)

@@ -390,8 +390,10 @@ def test_rank_failure_needs_exactly_one_of_exc_or_signal():
         RankFailure(rank=0, exc=ValueError, signal=signal.SIGKILL)
 
 
-def test_fault_patches_are_undone_on_exit():
+def test_fault_patches_are_undone_on_exit(monkeypatch):
     import inspect
+
+    import torch.distributed as dist
 
     import fixtures.faults as faults
 
@@ -402,5 +404,6 @@ def test_fault_patches_are_undone_on_exit():
         assert "save" in vars(instance)
     assert inspect.getattr_static(_Store, "save") is before_static
     assert "save" not in vars(instance), "an attribute the instance did not own must be deleted, not pinned"
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # an earlier test of this worker may have set one up
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         faults.global_rank()
