@@ -222,7 +222,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "DeepseekV4NativeProvider",
         "build_native_model",
     ),
-    "impl.cli.recipe": (
+    "impl.recipe.flash_lora": (
         "CHECKPOINT_ENV",
         "FLASH_SHAPE",
         "PRO_SHAPE",
@@ -237,7 +237,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "tiny_variant",
         "to_qualify_args",
     ),
-    "impl.cli.memory": (
+    "impl.recipe.memory": (
         "ActivationShape",
         "StageMemory",
         "format_memory_table",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DeepSeek-V4-Flash LoRA recipe (impl.cli.recipe.deepseek_v4_flash_lora_recipe) on NNODES x NPROC_PER_NODE GPUs.
+# DeepSeek-V4-Flash LoRA recipe (impl.recipe.flash_lora.deepseek_v4_flash_lora_recipe) on NNODES x NPROC_PER_NODE GPUs.
 # Run once per node (same command on every node; NODE_RANK differs). See recipes/deepseek_v4_flash_lora.md.
 #
 #   DSV4_FLASH_CHECKPOINT=/data/DeepSeek-V4-Flash MASTER_ADDR=node0 NODE_RANK=0 recipes/launch_torchrun.sh
@@ -38,7 +38,7 @@ TORCHRUN=(
 
 case "${DSV4_RUN:-qualify}" in
   qualify)
-    # The recipe's flags; suites/test_recipe.py checks they equal impl.cli.recipe.to_qualify_args(recipe).
+    # The recipe's flags; suites/test_recipe.py checks they equal impl.recipe.flash_lora.to_qualify_args(recipe).
     # --no-oracle: a transformers model of the whole base on rank 0 does not fit a host at full size.
     exec "${TORCHRUN[@]}" -m impl.cli qualify \
       --base "$DSV4_FLASH_CHECKPOINT" \
