@@ -1,6 +1,6 @@
 """qualify's adapter steps on each rank: the collective export, the exported tensors held to the requested targets
 x layers, and the reload on transformers + PEFT compared with the native model in float32, with the power of that
-comparison measured (:mod:`impl.cli.logits`). ``run`` is qualify's per-rank state (``impl.cli.qualify._RankRun``).
+comparison measured (:mod:`impl.cli.logits`). ``run`` is qualify's per-rank state (``impl.cli.qualify_rank._RankRun``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A name table, shape rule or expected value shared by the implementation and the suite's oracle hides every bug in
 it. Allowed, by exact module and imported name: the command line writes its embedded default base and the
-Flash/Pro manifests with ``tiny_models``, and ``qualify`` (its base-logit and reload steps) loads the transformers oracle with it.
+Flash/Pro manifests with ``tiny_models``, and ``qualify``'s rank side (its base-logit and reload steps) loads the transformers oracle with it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ALLOWED = {
     ("cli/main.py", "tiny_models.presets", "flash_config"),
     ("cli/main.py", "tiny_models.presets", "get_preset"),
     ("cli/main.py", "tiny_models.presets", "pro_config"),
-    ("cli/qualify.py", "tiny_models.checkpoint", "load_oracle"),
+    ("cli/qualify_rank.py", "tiny_models.checkpoint", "load_oracle"),
     ("cli/qualify_adapter.py", "tiny_models.checkpoint", "load_oracle"),
 }
 _DYNAMIC = {"import_module", "__import__"}
