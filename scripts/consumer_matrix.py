@@ -3,8 +3,8 @@
 own code gives an adapter the implementation exported (fixtures/consumers). Needs scripts/install_consumers.sh.
 
     .venv/bin/python scripts/consumer_matrix.py            # print the markdown table
-    .venv/bin/python scripts/consumer_matrix.py --write    # put it into README.md between the markers
-    .venv/bin/python scripts/consumer_matrix.py --check    # exit 1 when README.md's table differs
+    .venv/bin/python scripts/consumer_matrix.py --write    # put it into docs/consumers.md between the markers
+    .venv/bin/python scripts/consumer_matrix.py --check    # exit 1 when docs/consumers.md's table differs
     .venv/bin/python scripts/consumer_matrix.py --json F   # also write every probe report to F
 """
 
@@ -32,8 +32,8 @@ from fixtures.impl_loader import load_impl, resolve_impl_name  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="replace README.md's generated section")
-    mode.add_argument("--check", action="store_true", help="exit 1 if README.md's generated section differs")
+    mode.add_argument("--write", action="store_true", help="replace docs/consumers.md's generated section")
+    mode.add_argument("--check", action="store_true", help="exit 1 if docs/consumers.md's generated section differs")
     parser.add_argument("--json", type=Path, help="also write the raw probe reports here")
     parser.add_argument("--impl", default=None, help="implementation module (default: impl or $DSV4_IMPL)")
     args = parser.parse_args()

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
 PRESET = "tiny-mixed"
 TARGETS = ["wq_a", "wq_b", "wkv", "wo_a", "wo_b"]
-QUALIFY_BF16_ULPS = 4  # qualify's bf16 tolerance: 4 * eps(bf16) * max|reference logits| (README, qualify section)
+QUALIFY_BF16_ULPS = 4  # qualify's bf16 tolerance: 4 * eps(bf16) * max|reference logits| (docs/commands.md, qualify)
 #: units of eps(bfloat16) * max|oracle logits| for the mean |logit error|: the figure qualify holds its bf16
 #: base_logits check to (the same mean |Δ| against the same fp32 oracle); the ratio below is the sharper bound
 MEAN_ABS_ULPS = QUALIFY_BF16_ULPS

@@ -127,7 +127,7 @@ def test_qualify_trains_on_one_fixed_batch_and_its_loss_falls(qualified):
 
 @pytest.mark.bridge_path
 def test_qualify_reload_tolerance_scales_with_the_logits_and_reports_its_margin(qualified):
-    """tolerance = 256 * eps(float32) * max|reloaded logits| (README, qualify section); the report holds the
+    """tolerance = 256 * eps(float32) * max|reloaded logits| (docs/commands.md, qualify); the report holds the
     observed figure and margin = tolerance / observed, and the margin leaves room for another machine's rounding."""
     import torch
 

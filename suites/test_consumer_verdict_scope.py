@@ -1,4 +1,4 @@
-"""What a consumer verdict covers, as the README states it: ``vllm`` stands for every vLLM platform with LoRA
+"""What a consumer verdict covers, as docs/loading.md states it: ``vllm`` stands for every vLLM platform with LoRA
 support (``vllm/nvidia`` and ``vllm/xpu``), each judged by its own rules; and a target no rule covers is never
 vouched for, so it fails the verdict like a target the engine would not apply."""
 
@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.cpu
 
-VLLM_LORA_PLATFORMS = {"vllm/nvidia", "vllm/xpu"}  # README: "vllm means vLLM's platforms with LoRA support"
+VLLM_LORA_PLATFORMS = {"vllm/nvidia", "vllm/xpu"}  # docs/loading.md: "vllm means vLLM's platforms with LoRA support"
 
 
 def test_vllm_is_judged_on_every_platform_with_lora_support(impl):

@@ -154,16 +154,16 @@ def test_vllm_skips_the_mtp_layer_and_refuses_transformers_names(impl, probed):
         assert rule is not None and str(rule.status) == cell.status, f"{target}: impl believes {rule}, engine {cell}"
 
 
-def test_the_readme_matrix_is_the_generated_one(probed, exported, numeric):
+def test_the_consumer_matrix_is_the_generated_one(probed, exported, numeric):
     if set(probed) != set(PROBES):
-        _absent(f"the README matrix needs every consumer environment (installed: {sorted(probed)})")
+        _absent(f"the consumer matrix needs every consumer environment (installed: {sorted(probed)})")
     cases, _ = exported
     found = [c for name in sorted(PROBES) for c in probed[name][1]]
     notes = [n for name in sorted(PROBES) for n in probed[name][2]]
-    section = readme_section((ROOT / "README.md").read_text())
-    assert section is not None, "README.md lost its consumer-matrix markers"
+    section = readme_section((ROOT / "docs" / "consumers.md").read_text())
+    assert section is not None, "docs/consumers.md lost its consumer-matrix markers"
     assert section == render_matrix(found, cases, notes, numeric), (
-        "README.md's consumer matrix differs from what the engines say now: run "
+        "docs/consumers.md's consumer matrix differs from what the engines say now: run "
         "'.venv/bin/python scripts/consumer_matrix.py --write'"
     )
 

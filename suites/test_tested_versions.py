@@ -2,8 +2,8 @@
 
 The lanes' versions are read here from the files that make the environments (``requirements/base.txt``,
 ``scripts/install.sh``'s Megatron-Bridge pin, the pins ``.ci/run`` runs with ``scripts/pin_overlay.sh``'s core for
-each, ``requirements/device-image.txt``, ``requirements/latest.txt`` and its Bridge half's ``latest-bridge.txt``), not from the implementation; the implementation's table and the README's
-version table must both say the same.
+each, ``requirements/device-image.txt``, ``requirements/latest.txt`` and its Bridge half's ``latest-bridge.txt``), not from the implementation; the implementation's table and the version table of
+``docs/pins_and_lanes.md`` must both say the same.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def test_the_lanes_are_the_environments_ci_builds(impl):
 
 
 def test_the_readme_version_table_lists_each_lane(impl):
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "pins_and_lanes.md").read_text()
     for lane, versions in _lanes_from_files().items():
         row = f"| {lane} | " + " | ".join(versions.get(p, "-") for p in PACKAGES) + " |"
-        assert row in readme, f"README.md's version table lacks the row {row}"
+        assert row in readme, f"docs/pins_and_lanes.md's version table lacks the row {row}"
 
 
 def test_an_untested_version_is_one_line_naming_it_and_what_ci_ran(impl):

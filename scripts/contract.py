@@ -1,0 +1,30 @@
+#!/usr/bin/env python
+"""Print the contract an implementation provides (every ``impl.NAME`` the suites read; fixtures/contract.py).
+
+.venv/bin/python scripts/contract.py            # print the markdown table
+.venv/bin/python scripts/contract.py --write    # put it into docs/implementing.md between the markers
+.venv/bin/python scripts/contract.py --check    # exit 1 when docs/implementing.md's table differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fixtures.contract import CONTRACT_DOC, contract_names, optional_names, render_contract  # noqa: E402  (the root goes first)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="replace docs/implementing.md's generated section")
+    mode.add_argument("--check", action="store_true", help="exit 1 if docs/implementing.md's generated section differs")
+    args = parser.parse_args()
+    return CONTRACT_DOC.apply(render_contract(contract_names(), optional_names()), write=args.write, check=args.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
