@@ -318,14 +318,6 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 __all__ = [
-    "AdapterShapeError",
     "AdapterState",
-    "BuildOptions",
-    "BuiltAdapter",
-    "EmptyAdapterError",
-    "MissingAdapterHalfError",
-    "MtpNotExportableError",
-    "NonFiniteAdapterError",
-    "build_adapter",
     "publish_in_memory",
 ]

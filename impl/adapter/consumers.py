@@ -23,6 +23,15 @@ from enum import StrEnum
 from impl.errors import ConsumerSupportError
 from impl.lora.vocabulary import TARGET_TABLE
 
+__all__ = [
+    "CONSUMER_RULES",
+    "ConsumerRule",
+    "ConsumerStatus",
+    "consumer_rule",
+    "consumer_verdict",
+    "unapplied_targets",
+]
+
 
 class ConsumerStatus(StrEnum):
     APPLIED = "applied"  # loaded and applied by the forward pass

@@ -39,6 +39,14 @@ from impl.adapter.upstream_names import miles_adapter_name
 from impl.errors import ExportError
 from impl.lora.vocabulary import ATTENTION_SCOPE, TARGET_TABLE, TargetRow, TargetTable
 
+__all__ = [
+    "DIALECTS",
+    "match_native",
+    "parse_native",
+    "resolve_module",
+    "translate_module",
+]
+
 #: Prefix PEFT puts in front of every module name in ``adapter_model.safetensors``.
 PEFT_PREFIX = "base_model.model."
 

@@ -121,4 +121,6 @@ def _failed(ctx: ExportContext, phase: str, failures: list[str], writer_rank: in
     )
 
 
-__all__ = ["EXPORT_PHASES", "CollectiveExportError", "export_adapter"]
+__all__ = [
+    "export_adapter",
+]

@@ -153,14 +153,6 @@ def publish_files(
 
 
 __all__ = [
-    "ADAPTER_FILE",
     "COMPLETE_MARKER",
-    "CONFIG_FILE",
-    "config_text",
-    "file_sha256",
-    "fsync_path",
-    "publish_files",
     "recover_export_dir",
-    "sidecars",
-    "write_marker",
 ]

@@ -41,6 +41,12 @@ from impl.lora.vocabulary import TARGET_TABLE
 if TYPE_CHECKING:
     import torch
 
+__all__ = [
+    "base_fingerprint",
+    "read_adapter_fingerprint",
+    "verify_fingerprint",
+]
+
 FINGERPRINT_VERSION = 1
 METADATA_KEY = "dsv4_base_fingerprint"
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})

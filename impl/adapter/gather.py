@@ -37,13 +37,7 @@ from impl.adapter.dialects import match_native, native_adapter_name
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
 __all__ = [
-    "AdapterGatherError",
-    "adapter_parameters",
     "gather_adapter_state",
-    "gather_full",
-    "merge_stages",
-    "native_adapter_name",
-    "unwrap_chunk",
 ]
 
 

@@ -32,7 +32,10 @@ from impl.adapter.files import ADAPTER_FILE
 from impl.adapter.scatter import load_full, model_adapter_names, scatter_problems
 from impl.adapter.validation import lora_scale, validate_adapter_dir
 
-__all__ = ["AdapterImportError", "import_adapter", "read_published_adapter"]
+__all__ = [
+    "import_adapter",
+    "read_published_adapter",
+]
 
 _HALF = {"lora_A": "A", "lora_B": "B"}
 

@@ -198,4 +198,6 @@ EXPORT_PHASES: tuple[ExportPhase, ...] = (
     ExportPhase("commit", commit),
 )
 
-__all__ = ["EXPORT_PHASES", "ExportContext", "ExportPhase"]
+__all__ = [
+    "EXPORT_PHASES",
+]

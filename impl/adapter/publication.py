@@ -27,6 +27,12 @@ from impl.adapter.build import AdapterState, NonFiniteAdapterError, all_finite, 
 from impl.adapter.exchange import StatusExchange, join_failures
 from impl.errors import PublicationError
 
+__all__ = [
+    "AdapterPublisher",
+    "Publication",
+    "tensor_checksum",
+]
+
 
 @dataclass(frozen=True)
 class Publication:

@@ -579,15 +579,5 @@ def validate_adapter_dir(
 
 
 __all__ = [
-    "ADAPTER_CHECKS",
-    "AdapterCheck",
-    "AdapterDir",
-    "AdapterValidationError",
-    "BaseNames",
-    "CheckReport",
-    "list_problems",
-    "lora_scale",
-    "raise_first_problem",
-    "selected_modules",
     "validate_adapter_dir",
 ]

@@ -30,7 +30,12 @@ from impl.adapter.export import export_adapter
 from impl.adapter.files import fsync_path
 from impl.errors import PublishedVersionError
 
-__all__ = ["POINTER", "PublishedVersionError", "publish_version", "resolve_current", "version_dirs"]
+__all__ = [
+    "POINTER",
+    "publish_version",
+    "resolve_current",
+    "version_dirs",
+]
 
 POINTER = "current"
 HISTORY = ".history.json"

@@ -15,6 +15,10 @@ from impl.cli.convert import add_convert_parser
 from impl.errors import Dsv4Error, OutputPathError, UsageError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
 
+__all__ = [
+    "build_parser",
+]
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_PRESET = "tiny-mixed"
 

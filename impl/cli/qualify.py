@@ -35,6 +35,11 @@ from typing import Any
 from impl.cli import output
 from impl.lora.vocabulary import TARGET_TABLE
 
+__all__ = [
+    "QualifyOptions",
+    "run_qualify",
+]
+
 #: the progress lines of a run: starting the ranks (the launcher), then seven steps on rank 0
 STEP_COUNT = 8
 #: intra-op threads per rank unless OMP_NUM_THREADS is set: a tiny model's ops gain nothing from more, and on a

@@ -50,4 +50,8 @@ def untested_line(installed: Mapping[str, str]) -> str | None:
     return "note: versions no CI lane ran: " + "; ".join(found) + " (figures may differ; see README's version table)"
 
 
-__all__ = ["LANES", "untested_line", "untested_versions"]
+__all__ = [
+    "LANES",
+    "untested_line",
+    "untested_versions",
+]

@@ -20,6 +20,11 @@ from typing import Any
 
 from impl.adapter.kinds import dialect_module, place_module
 
+__all__ = [
+    "VerifyResult",
+    "verify_adapter",
+]
+
 
 @dataclass
 class VerifyCheck:

@@ -27,15 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from impl.compat import cpu, mla, te_stub
-from impl.compat.te_stub import TransformerEngineStubError
 from impl.errors import BridgeImportError, TransformerEngineImportError
 
 __all__ = [
-    "BridgeImportError",
     "CompatReport",
-    "TransformerEngineImportError",
-    "TransformerEngineStubError",
-    "install",
 ]
 
 

@@ -261,12 +261,6 @@ def read_base_dir(path: str | Path) -> BaseDir:
 
 
 __all__ = [
-    "BASE_STEPS",
-    "BaseDir",
-    "Problem",
-    "TensorHeader",
-    "architectures_problem",
     "inspect_base",
     "read_base_dir",
-    "read_json_object",
 ]

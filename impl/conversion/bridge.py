@@ -75,16 +75,11 @@ from impl.conversion.mapping import MAPPING_TABLE, MappingRow, lookup_native, lo
 from impl.errors import CheckpointMappingError, QuantizationError
 
 __all__ = [
-    "MAPPING_CLASSES",
-    "SOURCE",
     "DeepseekV4ConversionBridge",
     "LoadReport",
-    "build_v4_mappings",
     "export_merged_state",
     "export_official_state",
     "load_official_checkpoint",
-    "mapping_for_row",
-    "register",
 ]
 
 SOURCE = "DeepseekV4ForCausalLM"

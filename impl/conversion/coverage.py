@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 from impl.conversion.headers import read_file_header
 from impl.conversion.layouts import DESCRIPTION, SAVED_BY_TRANSFORMERS, BaseLayout, read_as_official
 from impl.conversion.mapping import (
-    expected_official_names,
     fill,
     lookup_native,
     lookup_official,
@@ -23,8 +22,12 @@ from impl.conversion.mapping import (
     normalize,
     scale_base,
 )
+from impl.conversion.mapping_table import expected_official_names
 
-__all__ = ["CoverageEntry", "CoverageReport", "coverage_report"]
+__all__ = [
+    "CoverageReport",
+    "coverage_report",
+]
 
 
 class CoverageEntry(NamedTuple):
@@ -122,7 +125,7 @@ def coverage_report(
     ``"upstream"`` (upstream Megatron-Core's ``dsv4_hybrid``, Megatron-Bridge's DeepSeekV4Bridge names).
 
     With ``config`` (V4Config, transformers config or ``config.json`` dict; read from the dir's ``config.json``
-    when given a dir), "missing" is exact: every name :func:`impl.conversion.mapping.expected_official_names` implies.
+    when given a dir), "missing" is exact: every name :func:`impl.conversion.mapping_table.expected_official_names` implies.
     """
     names, stored = _names_of(names_or_manifest)
     present = set(names)

@@ -23,13 +23,8 @@ from threading import local
 import torch
 
 __all__ = [
-    "E2M1_VALUES",
     "dequantize_fp8_blocks",
     "dequantize_mxfp4",
-    "dequantize_official",
-    "dequantizer_into",
-    "read_official",
-    "scaled_table",
 ]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -12,6 +12,13 @@ from typing import Any
 
 from impl.errors import DeepseekV41UnsupportedError, NotDeepseekV4Error
 
+__all__ = [
+    "V4_ARCHITECTURE",
+    "is_deepseek_v41_config",
+    "is_deepseek_v4_config",
+    "require_deepseek_v4_config",
+]
+
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 #: DeepSeek-V4.1's spellings: the released config, and the earlier ones SGLang's config loader still accepts
 V41_ARCHITECTURES = ("DeepseekV41ForCausalLM", "DeepseekV41ForConditionalGeneration")

@@ -26,7 +26,9 @@ from megatron.bridge.models.conversion import model_bridge as _mb
 from impl.conversion.bridge import SOURCE, DeepseekV4ConversionBridge
 from impl.conversion.detect import require_deepseek_v4_config
 
-__all__ = ["ProviderDispatchError", "provider_through_megatron_bridge"]
+__all__ = [
+    "provider_through_megatron_bridge",
+]
 
 
 def provider_through_megatron_bridge(hf_config: Any) -> Any:

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "FusedKernelDefaults",
+    "deepseek_v4_supports_blackwell_fused_kernels",
+    "deepseek_v4_supports_fused_dsa_kernels",
+    "fused_kernel_defaults",
+]
+
 BLACKWELL_MAJOR = 10
 
 

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["landing_views"]
+__all__ = [
+    "landing_views",
+]
 
 _LANDINGS: dict[tuple, dict[str, tuple[int, tuple[int, ...]]] | None] = {}  # probe results, per process
 

@@ -25,30 +25,18 @@ from impl.conversion.mapping_table import (
     SEMANTICS,
     MappingRow,
     MappingTableError,
-    expected_official_names,
 )
 from impl.errors import UnsupportedConfigError
 
 __all__ = [
-    "GROUPS",
     "MAPPING_TABLE",
-    "NATIVE_LAYOUTS",
-    "SEMANTICS",
     "MappingRow",
-    "MappingTableError",
-    "NativeLayout",
-    "NativeMatch",
-    "OfficialMatch",
+    "NATIVE_LAYOUTS",
     "check_mapping_table",
-    "expected_official_names",
-    "fill",
     "lookup_native",
     "lookup_official",
     "lookup_official_upstream",
     "lookup_upstream",
-    "native_layout",
-    "normalize",
-    "scale_base",
 ]
 
 # --------------------------------------------------------------------------------------------------

@@ -21,6 +21,15 @@ from typing import Any
 
 from impl.errors import PipelineLayoutError
 
+__all__ = [
+    "generate_pipeline_layout",
+    "resolve_pipeline_layout",
+    "run_pipeline_layout",
+    "saved_pipeline_layout",
+    "stage_layer_numbers",
+    "validate_pipeline_layout",
+]
+
 Layout = tuple[tuple[str, ...], ...]
 TOKENS = ("embedding", "decoder", "mtp", "loss")
 #: What a saved Megatron-Bridge run writes next to its checkpoint (in the run directory or in each ``iter_*``).

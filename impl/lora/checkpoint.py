@@ -43,10 +43,6 @@ from impl.adapter.gather import adapter_parameters, gather_full, merge_stages
 
 __all__ = [
     "CHECKPOINT_FORMAT",
-    "CHECKPOINT_FILES",
-    "TrainingCheckpointError",
-    "current_layout",
-    "optimizer_slots",
     "save_training_checkpoint",
 ]
 

@@ -27,7 +27,9 @@ from torch import nn
 
 from impl.errors import TargetError
 
-__all__ = ["AdapterOptimizer"]
+__all__ = [
+    "AdapterOptimizer",
+]
 
 
 def _trainable(model_chunks: nn.Module | Iterable[nn.Module]) -> list[nn.Parameter]:

@@ -21,7 +21,10 @@ from torch import nn
 
 from impl.errors import GroupedLoRAError
 
-__all__ = ["GroupedLoraLinear", "load_peft_adapter"]
+__all__ = [
+    "GroupedLoraLinear",
+    "load_peft_adapter",
+]
 
 
 class GroupedLoraLinear(PeftLoraLinear):

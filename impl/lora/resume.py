@@ -48,7 +48,12 @@ from impl.lora.checkpoint import (
     current_layout,
 )
 
-__all__ = ["ResumeInfo", "latest_training_checkpoint", "read_training_checkpoint", "resume_training"]
+__all__ = [
+    "ResumeInfo",
+    "latest_training_checkpoint",
+    "read_training_checkpoint",
+    "resume_training",
+]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ __all__ = [
     "MAIN_ATTENTION_TARGETS",
     "NESTED_ATTENTION_TARGETS",
     "TARGET_VOCABULARY",
-    "bridge_pattern_matches",
     "qualify_exclusions",
     "qualify_targets",
 ]

@@ -25,7 +25,9 @@ from torch import nn
 from impl.errors import UnsupportedConfigError
 from impl.native.schedule import ManualPipeline
 
-__all__ = ["adapter_train_step", "clip_grad_norm"]
+__all__ = [
+    "adapter_train_step",
+]
 
 
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> float:

@@ -22,9 +22,8 @@ from functools import cached_property
 from impl.errors import TargetError
 
 __all__ = [
-    "ATTENTION_SCOPE",
-    "TARGET_TABLE",
     "ParallelStyle",
+    "TARGET_TABLE",
     "TargetRow",
     "TargetTable",
 ]

@@ -43,14 +43,11 @@ from impl.native.norm import ReplicatedLinear
 
 __all__ = [
     "DeepseekV4LoRA",
-    "GroupedLoRALinear",
     "LoraHandle",
     "MTP_POLICIES",
     "MtpPolicy",
-    "ReplicatedLoRALinear",
     "apply_grouped_wo_a",
     "apply_lora",
-    "lora_able_module_names",
     "make_lora_pre_wrap_hook",
 ]
 

@@ -28,7 +28,9 @@ from torch.utils.checkpoint import checkpoint
 
 from impl.errors import UnsupportedConfigError
 
-__all__ = ["GRANULARITIES", "METHODS", "SELECTIVE_MODULES", "ActivationPlan", "recompute"]
+__all__ = [
+    "ActivationPlan",
+]
 
 GRANULARITIES = (None, "full", "selective")
 METHODS = ("uniform", "block")

@@ -40,7 +40,10 @@ from impl.native.parallel import (
 )
 from impl.native.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
 
-__all__ = ["AttentionInputError", "DeepseekV4Attention", "grouped_wo_a"]
+__all__ = [
+    "DeepseekV4Attention",
+    "grouped_wo_a",
+]
 
 
 def grouped_wo_a(module: nn.Module, x_grouped: torch.Tensor, *, groups: int, group_out: int) -> torch.Tensor:

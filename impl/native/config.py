@@ -12,6 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = [
+    "V4Config",
+]
+
 LAYER_TYPE_RATIO_KEYS = ("compressed_sparse_attention", "heavily_compressed_attention")
 #: compress ratio of the CSA layers, the only ones that carry a lightning indexer
 INDEXER_RATIO = 4

@@ -17,7 +17,12 @@ from torch import nn
 
 from impl.native.config import V4Config
 
-__all__ = ["HyperHead", "hc_head", "hc_post", "hc_pre", "register_hc_params"]
+__all__ = [
+    "HyperHead",
+    "hc_head",
+    "hc_post",
+    "hc_pre",
+]
 
 _INIT_STD = 0.02
 

@@ -21,7 +21,9 @@ from impl.native.moe import V4MoE
 from impl.native.norm import RMSNorm
 from impl.native.parallel import place_on_init_device
 
-__all__ = ["DeepseekV4DecoderLayer"]
+__all__ = [
+    "DeepseekV4DecoderLayer",
+]
 
 
 class DeepseekV4DecoderLayer(nn.Module):

@@ -39,7 +39,10 @@ from impl.native.parallel import (
     vocab_parallel_loss,
 )
 
-__all__ = ["DeepseekV4NativeModel", "GlobalLayerList", "validate_parallel_layout"]
+__all__ = [
+    "DeepseekV4NativeModel",
+    "validate_parallel_layout",
+]
 
 
 def validate_parallel_layout(config: V4Config, *, tp_size: int, ep_size: int) -> None:

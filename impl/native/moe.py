@@ -36,12 +36,10 @@ from impl.native.config import V4Config
 from impl.native.parallel import resolve_tp_group
 
 __all__ = [
-    "SUPPORTED_SCORING_FUNCS",
     "V4Expert",
     "V4Experts",
     "V4MoE",
     "V4Router",
-    "clamped_swiglu",
     "expert_parallel_layout",
 ]
 

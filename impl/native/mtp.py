@@ -20,7 +20,10 @@ from impl.native.hyper import HyperHead
 from impl.native.layer import DeepseekV4DecoderLayer
 from impl.native.norm import ReplicatedLinear, RMSNorm
 
-__all__ = ["DeepseekV4MTPBlock", "DeepseekV4MTPLayer"]
+__all__ = [
+    "DeepseekV4MTPBlock",
+    "DeepseekV4MTPLayer",
+]
 
 
 class DeepseekV4MTPLayer(nn.Module):

@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "ReplicatedLinear", "unweighted_rms_norm"]
+__all__ = [
+    "RMSNorm",
+    "ReplicatedLinear",
+]
 
 
 class RMSNorm(nn.Module):

@@ -30,13 +30,7 @@ from impl.native.config import V4Config
 from impl.native.rope import NATIVE_ROPE_FUSED
 
 __all__ = [
-    "DEFAULT_INIT_STD",
     "cpu_initialization",
-    "megatron_parallel_config",
-    "normal_init",
-    "place_on_init_device",
-    "resolve_tp_group",
-    "vocab_parallel_loss",
 ]
 
 DEFAULT_INIT_STD = 0.02

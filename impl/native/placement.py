@@ -18,7 +18,12 @@ from torch import nn
 
 from impl.errors import DevicePlacementError
 
-__all__ = ["DevicePlacementError", "Misplaced", "audit_devices", "rank_device", "require_devices"]
+__all__ = [
+    "Misplaced",
+    "audit_devices",
+    "rank_device",
+    "require_devices",
+]
 
 
 @dataclass(frozen=True)

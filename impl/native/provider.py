@@ -40,7 +40,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 PreWrapHook = Callable[[list[MegatronModule]], list[MegatronModule] | None]
 
-__all__ = ["DeepseekV4NativeProvider", "build_native_model", "reject_multi_lora"]
+__all__ = [
+    "DeepseekV4NativeProvider",
+    "build_native_model",
+]
 
 
 def reject_multi_lora(enabled: bool) -> None:

@@ -22,14 +22,12 @@ import torch
 from impl.native.config import V4Config
 
 __all__ = [
-    "NATIVE_ROPE_FUSED",
     "ROPE_FUSION_FALLBACKS",
     "RopeFusion",
     "RopeFusionFallback",
     "RopeFusionFallbackWarning",
     "apply_interleaved_rope",
     "decide_rope_fusion",
-    "rope_cos_sin",
     "rope_inv_freq",
 ]
 

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import nn
 
-__all__ = ["ManualPipeline"]
+__all__ = [
+    "ManualPipeline",
+]
 
 
 class ManualPipeline:

@@ -25,12 +25,12 @@ from impl.lora.vocabulary import TARGET_TABLE
 
 __all__ = [
     "CHECKPOINT_ENV",
-    "FLASH_SHAPE",
-    "TINY_MODELS",
-    "PRO_SHAPE",
     "DeepseekV4LoRARecipe",
+    "FLASH_SHAPE",
     "ModelShape",
     "OptimizerSettings",
+    "PRO_SHAPE",
+    "TINY_MODELS",
     "TinyModel",
     "deepseek_v4_flash_lora_recipe",
     "deepseek_v4_pro_lora_recipe",

@@ -22,14 +22,12 @@ from typing import Any
 from impl.native.activations import ActivationPlan
 
 __all__ = [
-    "OVERHEAD_BYTES",
     "ActivationShape",
     "StageMemory",
+    "format_memory_table",
     "layer_activation_bytes",
     "recipe_memory",
     "stage_activation_bytes",
-    "stage_weight_bytes",
-    "format_memory_table",
 ]
 
 GB = 1e9

@@ -44,3 +44,17 @@ def test_a_name_a_suite_reads_joins_the_contract(tmp_path):
         "extra": ["fixtures/ranks.py"],
     }
     assert optional_names(tmp_path) == {"extra"}
+
+
+def test_every_public_name_of_the_reference_resolves(impl):
+    """The package's ``__all__`` is read from its modules' sources without importing them; each name it lists
+    must then be what importing that module provides."""
+    if impl.name != "impl":
+        pytest.skip("how the reference builds its public API")
+    unresolved = []
+    for name in impl.module.__all__:
+        try:
+            getattr(impl.module, name)
+        except AttributeError as exc:
+            unresolved.append(f"{name}: {exc}")
+    assert not unresolved, "public names that do not resolve:\n  " + "\n  ".join(unresolved)
