@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from fixtures.impl_loader import load_impl, resolve_impl_name
 from fixtures.pins import PIN_INDEPENDENT
 
-pytest_plugins = ["fixtures.checkpoints", "fixtures.rank_session", "fixtures.sparse_checkpoint"]
+pytest_plugins = ["fixtures.tiny_checkpoint_cache", "fixtures.rank_session", "fixtures.sparse_checkpoint"]
 
 REQUIRED_MARKERS = ("cpu", "gpu", "gpu32", "bench")
 MARKERS = {

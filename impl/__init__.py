@@ -43,7 +43,7 @@ _PUBLIC_MODULES: tuple[str, ...] = (
     "impl.conversion.hardware",
     "impl.lora.wrappers",
     "impl.lora.optimizer",
-    "impl.lora.checkpoint",
+    "impl.lora.training_checkpoint",
     "impl.lora.resume",
     "impl.adapter.importer",
     "impl.conversion.mapping",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Print the contract an implementation provides (every ``impl.NAME`` the suites read; fixtures/contract.py).
+"""Print the contract an implementation provides (every ``impl.NAME`` the suites read; fixtures/suite_contract.py).
 
 .venv/bin/python scripts/contract.py            # print the markdown table
 .venv/bin/python scripts/contract.py --write    # put it into docs/implementing.md between the markers
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fixtures.contract import CONTRACT_DOC, contract_names, optional_names, render_contract  # noqa: E402  (the root goes first)
+from fixtures.suite_contract import CONTRACT_DOC, contract_names, optional_names, render_contract  # noqa: E402  (the root goes first)
 
 
 def main() -> int:

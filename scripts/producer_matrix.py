@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from fixtures.impl_loader import resolve_impl_name  # noqa: E402  (the repository root goes on the path first)
 from fixtures.producers import PEFT_SPECS, PRODUCER_MATRIX, matrix_rows, peft_model, render_matrix  # noqa: E402
 from fixtures.producers_bridge import BRIDGE_MATRIX  # noqa: E402
-from tiny_models.checkpoint import write_checkpoint  # noqa: E402
+from tiny_models.oracle import write_checkpoint  # noqa: E402
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ from peft import PeftModel
 
 import fixtures.asserts as ah
 from fixtures.e2e_rank_fns import case_ids, oracle_logits, run_e2e, trained_case
-from tiny_models.checkpoint import load_oracle
+from tiny_models.oracle import load_oracle
 from tiny_models.presets import get_preset, min_seq_len
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("lora-e2e")]

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from fixtures import strategies as hh
 from fixtures.adapter_states import attention_shapes, make_native_adapter
 from fixtures.subproc import run
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("bad_input")]

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fixtures.subproc import run
-from tiny_models.checkpoint import load_oracle, write_checkpoint
+from tiny_models.oracle import load_oracle, write_checkpoint
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 

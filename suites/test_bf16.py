@@ -25,7 +25,7 @@ import torch
 
 import fixtures.asserts as ah
 from fixtures.multirank import impl_preload, run_ranks
-from tiny_models.checkpoint import load_oracle, write_checkpoint
+from tiny_models.oracle import load_oracle, write_checkpoint
 from tiny_models.presets import get_preset, min_seq_len
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]

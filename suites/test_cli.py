@@ -91,7 +91,7 @@ def _merged_oracle(qualified: Path):
     """Stock PEFT (not the implementation's loader) merges the exported adapter into transformers' model."""
     from peft import PeftModel
 
-    from tiny_models.checkpoint import load_oracle
+    from tiny_models.oracle import load_oracle
 
     return PeftModel.from_pretrained(load_oracle(qualified / "base"), str(qualified / "adapter")).merge_and_unload()
 
@@ -102,7 +102,7 @@ def test_qualify_trains_on_one_fixed_batch_and_its_loss_falls(qualified):
     adapters start at zero), the last with the exported adapter merged; the last is lower."""
     import torch
 
-    from tiny_models.checkpoint import load_oracle
+    from tiny_models.oracle import load_oracle
 
     train = _check(json.loads((qualified / "qualify.json").read_text()), "train")["detail"]
     first = _oracle_loss(load_oracle(qualified / "base"), train["batch"])

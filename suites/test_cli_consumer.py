@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from fixtures.adapter_states import attention_shapes, make_native_adapter
 from fixtures.subproc import run
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]

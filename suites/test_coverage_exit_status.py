@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from fixtures.subproc import run
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]  # each run starts an interpreter that imports the command line
 

@@ -26,7 +26,7 @@ from fixtures.adapter_states import attention_shapes, make_native_adapter
 from fixtures.crash_states import MODELS, ModelReport, explore
 from fixtures.fs_model import snapshot
 from fixtures.syscall_trace import STRACE, record
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
 pytestmark = [

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from fixtures.adapter_states import attention_shapes, make_native_adapter
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu

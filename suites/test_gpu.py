@@ -21,7 +21,7 @@ import fixtures.asserts as ah
 from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
 from fixtures.e2e_rank_fns import FIVE_TARGETS, LoraE2ECase, case_ids, merged_oracle, oracle_logits, rank_lora_e2e
 from fixtures.multirank import destroy_megatron_parallel, impl_preload, launched_world, run_ranks
-from tiny_models.checkpoint import load_oracle
+from tiny_models.oracle import load_oracle
 from tiny_models.presets import get_preset, min_seq_len
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
@@ -58,7 +58,7 @@ def layout(request, nproc):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
-    from tiny_models.checkpoint import write_checkpoint
+    from tiny_models.oracle import write_checkpoint
 
     # Deterministic (seeded), so every rank's private copy holds the same bytes.
     return str(write_checkpoint(PRESET, tmp_path_factory.mktemp("gpu-ckpt"), seed=BASE_SEED))

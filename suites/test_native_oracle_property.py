@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from fixtures import asserts as ah
 from fixtures.native_weights import ensure_single_rank_megatron
 from fixtures.strategies import V4Spec, v4_configs
-from tiny_models.checkpoint import load_oracle, write_checkpoint
+from tiny_models.oracle import load_oracle, write_checkpoint
 from tiny_models.presets import CSA, HCA, SLIDING, min_seq_len
 
 pytestmark = pytest.mark.cpu

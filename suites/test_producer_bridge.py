@@ -30,7 +30,7 @@ from fixtures.producers_bridge import (
     trained_native,
 )
 from fixtures.subproc import run
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu
@@ -111,7 +111,7 @@ def test_export_republishes_bridges_adapter_for_peft_and_peft_applies_all_of_it(
     """The checkpoint names PEFT's transformers model does not have: export re-publishes them in its dialect, and
     stock PEFT then loads every tensor."""
     peft = pytest.importorskip("peft")
-    from tiny_models.checkpoint import load_oracle
+    from tiny_models.oracle import load_oracle
 
     adapter, out = made[2]["the-training-lora"], tmp_path / "for-peft"
     argv = ["export", "--adapter", adapter, "--out", out, "--consumer", "peft"]

@@ -19,7 +19,7 @@ import pytest
 
 from fixtures.consumers import HERE, PRODUCERS, require_consumer_env, run_probe_script
 from fixtures.subproc import run
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import CSA, HCA, tiny_config
 
 # slow: its time is starting NeMo AutoModel's interpreter (no Bridge pin or lane changes what it runs)

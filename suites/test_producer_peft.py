@@ -20,7 +20,7 @@ import torch
 
 from fixtures.producers import PEFT_SPECS, peft_model
 from fixtures.subproc import run
-from tiny_models.checkpoint import load_oracle, write_checkpoint
+from tiny_models.oracle import load_oracle, write_checkpoint
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cli")]
 

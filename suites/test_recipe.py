@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from fixtures.hardware import simulate_dsa_kernels
+from fixtures.simulated_accelerators import simulate_dsa_kernels
 from fixtures.subproc import REPO_ROOT, run
 from tiny_models.presets import flash_config, get_preset, min_seq_len
 
@@ -272,7 +272,7 @@ def tiny_recipe_run(impl, tmp_path_factory):
     """The 32-GPU run's own rank function (strict load, clipped Adam steps, export) on the tiny twin, PP=2."""
     from fixtures.multirank import impl_preload, run_ranks
     from fixtures.recipe_rank_fns import RecipeRunCase, rank_lora_recipe
-    from tiny_models.checkpoint import write_checkpoint
+    from tiny_models.oracle import write_checkpoint
 
     tmp = tmp_path_factory.mktemp("tiny-recipe")
     tiny = impl.tiny_variant()

@@ -26,7 +26,7 @@ KILL_AT = 5  # after the checkpoints of steps 2 and 4: the resume must pick step
 
 
 def test_the_tiny_recipe_killed_and_resumed_ends_as_an_uninterrupted_job_and_publishes_the_same_adapter(impl, tmp_path):
-    from tiny_models.checkpoint import write_checkpoint
+    from tiny_models.oracle import write_checkpoint
 
     tiny = impl.tiny_variant()
     recipe = dataclasses.replace(tiny, checkpoint=str(write_checkpoint(tiny.preset, tmp_path / "base", seed=3)))

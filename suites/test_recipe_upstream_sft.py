@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from fixtures.hardware import simulate_hardware
+from fixtures.simulated_accelerators import simulate_hardware
 from fixtures.upstream_recipe import build_upstream_flash_sft
 
 pytestmark = pytest.mark.cpu

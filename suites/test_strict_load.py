@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu

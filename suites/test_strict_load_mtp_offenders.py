@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fixtures.native_weights import ensure_single_rank_megatron
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu

@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 import fixtures.asserts as ah
 from fixtures.host_state import torch_threads
 from fixtures.strategies import v4_configs
-from tiny_models.checkpoint import (
+from tiny_models.errors import CheckpointNameError, UnknownPresetError
+from tiny_models.manifest import manifest
+from tiny_models.oracle import (
     build_random_model,
     load_oracle,
     official_state_dict,
@@ -22,13 +24,11 @@ from tiny_models.checkpoint import (
     transformers_to_official_name,
     write_checkpoint,
 )
-from tiny_models.errors import CheckpointNameError, UnknownPresetError
-from tiny_models.manifest import manifest
 from tiny_models.presets import CSA, HCA, PRESETS, SLIDING, get_preset, min_seq_len
 
 pytestmark = pytest.mark.cpu
 
-# Until conftest registers the plugin ``fixtures.checkpoints`` (then delete this line).
+# Until conftest registers the plugin ``fixtures.tiny_checkpoint_cache`` (then delete this line).
 
 ALL_PRESETS = sorted(PRESETS)
 

@@ -10,7 +10,7 @@ import pytest
 
 from fixtures.adapter_states import attention_shapes, make_native_adapter
 from fixtures.adapter_tamper import TAMPER, UNCERTIFY
-from tiny_models.checkpoint import write_checkpoint
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu

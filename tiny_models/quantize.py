@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config
 
-from tiny_models.checkpoint import write_checkpoint
 from tiny_models.manifest import FP8_BLOCK, MXFP4_BLOCK, manifest
+from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import CSA, SLIDING, tiny_config
 
 __all__ = [

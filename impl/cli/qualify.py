@@ -95,7 +95,7 @@ class DefaultBase:
 
         world = launched_world()
         if world is None or world.rank == 0:
-            from tiny_models.checkpoint import write_checkpoint
+            from tiny_models.oracle import write_checkpoint
 
             write_checkpoint(self.preset, self.path, seed=self.seed)
 

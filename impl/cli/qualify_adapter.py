@@ -126,7 +126,7 @@ def check_reload(run: Any, out: Path) -> None:
         why = "--no-oracle" if not opts.oracle else f"dialect {opts.dialect!r} (the reload uses 'transformers')"
         run.record("reload", None, f"skipped: {why}", t0)
         return
-    from tiny_models.checkpoint import load_oracle
+    from tiny_models.oracle import load_oracle
 
     check = LOGIT_CHECKS["float32"]
     lora_logits = run.lora_logits.cpu().float()

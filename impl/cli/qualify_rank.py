@@ -173,7 +173,7 @@ def _check_base_logits(run: _RankRun) -> None:
     t0 = time.perf_counter()
     native = _logits(run)
     if run.rank == 0 and opts.oracle:
-        from tiny_models.checkpoint import load_oracle
+        from tiny_models.oracle import load_oracle
 
         with torch.no_grad():
             run.oracle_logits = load_oracle(run.base)(run.eval_ids.cpu()).logits.float()
@@ -289,7 +289,7 @@ def preload() -> None:
     from transformers import AutoConfig  # noqa: F401
 
     import impl
-    from tiny_models.checkpoint import load_oracle  # noqa: F401
+    from tiny_models.oracle import load_oracle  # noqa: F401
 
     for name in (
         "build_native_model",

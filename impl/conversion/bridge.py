@@ -58,7 +58,7 @@ from impl.compat.megatron_bridge import (
     replicate_over_tensor_parallel,
     restore_model_bridge,
 )
-from impl.conversion.checkpoint import (
+from impl.conversion.checkpoint_reader import (
     QUANT_PREFIXES,
     QUANTIZED_DTYPES,
     Header,

@@ -18,14 +18,14 @@ pytestmark = pytest.mark.cpu
 ORACLE_PACKAGES = ("tiny_models", "fixtures")
 #: (module file relative to the implementation package, imported module, imported name)
 ALLOWED = {
-    ("cli/qualify.py", "tiny_models.checkpoint", "write_checkpoint"),
+    ("cli/qualify.py", "tiny_models.oracle", "write_checkpoint"),
     ("cli/main.py", "tiny_models.manifest", "manifest"),
     ("cli/main.py", "tiny_models.presets", "PRESETS"),  # --preset / --manifest names checked before anything runs
     ("cli/main.py", "tiny_models.presets", "flash_config"),
     ("cli/main.py", "tiny_models.presets", "get_preset"),
     ("cli/main.py", "tiny_models.presets", "pro_config"),
-    ("cli/qualify_rank.py", "tiny_models.checkpoint", "load_oracle"),
-    ("cli/qualify_adapter.py", "tiny_models.checkpoint", "load_oracle"),
+    ("cli/qualify_rank.py", "tiny_models.oracle", "load_oracle"),
+    ("cli/qualify_adapter.py", "tiny_models.oracle", "load_oracle"),
 }
 _DYNAMIC = {"import_module", "__import__"}
 
@@ -73,23 +73,23 @@ def test_every_forbidden_import_form_is_named_with_file_and_line(tmp_path):
     (package / "cli").mkdir(parents=True)
     (package / "cli" / "main.py").write_text(
         "from tiny_models.presets import get_preset\n"  # allowed here
-        "from tiny_models.checkpoint import load_oracle\n"  # allowed only in qualify
+        "from tiny_models.oracle import load_oracle\n"  # allowed only in qualify
     )
     (package / "cli" / "verify.py").write_text(
         "import json\n"
         "def f():\n"
-        "    from tiny_models.checkpoint import official_to_transformers_name\n"
+        "    from tiny_models.oracle import official_to_transformers_name\n"
         "    import tiny_models.presets\n"
         "    from fixtures import asserts\n"
         "    import importlib\n"
         "    return importlib.import_module('tiny_models.presets')\n"
     )
-    (package / "recipe.py").write_text("from tiny_models.checkpoint import load_oracle\n")
+    (package / "recipe.py").write_text("from tiny_models.oracle import load_oracle\n")
     assert oracle_imports(package) == [
-        "impl/cli/main.py:2: from tiny_models.checkpoint import load_oracle",
-        "impl/cli/verify.py:3: from tiny_models.checkpoint import official_to_transformers_name",
+        "impl/cli/main.py:2: from tiny_models.oracle import load_oracle",
+        "impl/cli/verify.py:3: from tiny_models.oracle import official_to_transformers_name",
         "impl/cli/verify.py:4: import tiny_models.presets",
         "impl/cli/verify.py:5: from fixtures import asserts",
         "impl/cli/verify.py:7: import tiny_models.presets",
-        "impl/recipe.py:1: from tiny_models.checkpoint import load_oracle",
+        "impl/recipe.py:1: from tiny_models.oracle import load_oracle",
     ]

@@ -111,7 +111,7 @@ def official_to_transformers_name(name: str) -> str:
     hint = " (transformers does not model MTP)" if name.startswith("mtp.") else ""
     raise CheckpointNameError(
         f"official tensor name {name!r} has no transformers counterpart{hint}; "
-        "known names are in tiny_models.checkpoint.GLOBAL_NAMES / LAYER_NAMES / EXPERT_NAMES"
+        "known names are in tiny_models.oracle.GLOBAL_NAMES / LAYER_NAMES / EXPERT_NAMES"
     )
 
 
@@ -129,7 +129,7 @@ def transformers_to_official_name(name: str) -> str:
     fused = " (a fused expert tensor: split it with official_state_dict)" if ".mlp.experts." in name else ""
     raise CheckpointNameError(
         f"transformers tensor name {name!r} has no 1:1 official name{fused}; "
-        "known names are in tiny_models.checkpoint.GLOBAL_NAMES / LAYER_NAMES"
+        "known names are in tiny_models.oracle.GLOBAL_NAMES / LAYER_NAMES"
     )
 
 
