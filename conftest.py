@@ -14,8 +14,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
+from fixtures.capabilities import skip_undeclared
 from fixtures.impl_loader import load_impl, resolve_impl_name
 from fixtures.pins import PIN_INDEPENDENT
 
@@ -52,6 +53,11 @@ settings.register_profile(
     derandomize=True,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
+)
+# a conformance report's run (fixtures/conformance.py): as ci, without shrinking: a report names which
+# exceptions a property test meets, not the smallest example of each, and shrinking is most of such a run's time
+settings.register_profile(
+    "report", settings.get_profile("ci"), phases=(Phase.explicit, Phase.reuse, Phase.generate), max_examples=10
 )
 settings.register_profile(
     "thorough", max_examples=500, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
@@ -150,6 +156,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "tests without one of the markers " + ", ".join(REQUIRED_MARKERS) + ":\n  " + "\n  ".join(unmarked)
         )
     _apply_xfails_file(config, items)
+    skip_undeclared(resolve_impl_name(config.getoption("impl")), items)
     for item in items:
         if item.nodeid.split("::")[0] in PIN_INDEPENDENT:
             item.add_marker(pytest.mark.pin_independent)

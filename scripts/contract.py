@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Print the contract an implementation provides (every ``impl.NAME`` the suites read; fixtures/suite_contract.py).
+"""Print the contract an implementation provides (every ``impl.NAME`` the suites read; fixtures/suite_contract.py)
+and the capabilities a partial implementation may declare (fixtures/capabilities.py).
 
-.venv/bin/python scripts/contract.py            # print the markdown table
-.venv/bin/python scripts/contract.py --write    # put it into docs/implementing.md between the markers
-.venv/bin/python scripts/contract.py --check    # exit 1 when docs/implementing.md's table differs
+.venv/bin/python scripts/contract.py            # print the two markdown tables
+.venv/bin/python scripts/contract.py --write    # put them into docs/implementing.md between their markers
+.venv/bin/python scripts/contract.py --check    # exit 1 when docs/implementing.md's tables differ
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fixtures.capabilities import CAPABILITY_DOC, render_capabilities  # noqa: E402
 from fixtures.suite_contract import CONTRACT_DOC, contract_names, optional_names, render_contract  # noqa: E402  (the root goes first)
 
 
@@ -23,7 +25,10 @@ def main() -> int:
     mode.add_argument("--write", action="store_true", help="replace docs/implementing.md's generated section")
     mode.add_argument("--check", action="store_true", help="exit 1 if docs/implementing.md's generated section differs")
     args = parser.parse_args()
-    return CONTRACT_DOC.apply(render_contract(contract_names(), optional_names()), write=args.write, check=args.check)
+    contract = CONTRACT_DOC.apply(
+        render_contract(contract_names(), optional_names()), write=args.write, check=args.check
+    )
+    return contract or CAPABILITY_DOC.apply(render_capabilities(), write=args.write, check=args.check)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cpu
 
 def test_hypothesis_profile_is_loaded(pytestconfig):
     assert settings.default.max_examples >= 1
-    assert pytestconfig.dsv4_profile in {"dev", "ci", "thorough"}
+    assert pytestconfig.dsv4_profile in {"dev", "ci", "report", "thorough"}
 
 
 def test_missing_entry_point_raises_impl_missing(impl):

@@ -12,7 +12,19 @@ from fixtures.subproc import REPO_ROOT
 
 pytestmark = pytest.mark.cpu
 
-SCANNED = ("impl", "suites", "fixtures", "tiny_models", "docs", "recipes", "scripts", ".ci", "README.md", "conftest.py")
+SCANNED = (
+    "impl",
+    "implementations",
+    "suites",
+    "fixtures",
+    "tiny_models",
+    "docs",
+    "recipes",
+    "scripts",
+    ".ci",
+    "README.md",
+    "conftest.py",
+)
 SUFFIXES = {".py", ".md", ".sh", ".txt", ".toml", ".ini", ".yaml", ".sbatch", ""}
 # a URL, a path out of the repository, or a bare name of a reference note that only exists outside it
 OUTSIDE = re.compile(
