@@ -2,7 +2,7 @@
 
 Markers: every test carries one of ``cpu`` / ``gpu`` / ``gpu32`` / ``bench``; an unmarked test is a
 usage error. ``gpu`` and ``gpu32`` tests are skipped (with the reason) where CUDA is absent, except in the CPU
-rehearsal (``--rehearse`` under torchrun); their ranks are NCCL ranks, never gloo ones (``fixtures/rank_session.py``).
+rehearsal (``--rehearse`` under torchrun); their ranks are NCCL ranks, never gloo ones (``fixtures/runner/rank_session.py``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,15 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from fixtures.capabilities import skip_undeclared
-from fixtures.impl_loader import load_impl, resolve_impl_name
-from fixtures.pins import PIN_INDEPENDENT
+from fixtures.contract.capabilities import skip_undeclared
+from fixtures.runner.impl_loader import load_impl, resolve_impl_name
+from fixtures.runner.pins import PIN_INDEPENDENT
 
-pytest_plugins = ["fixtures.tiny_checkpoint_cache", "fixtures.rank_session", "fixtures.sparse_checkpoint"]
+pytest_plugins = [
+    "fixtures.data.tiny_checkpoint_cache",
+    "fixtures.runner.rank_session",
+    "fixtures.data.sparse_checkpoint",
+]
 
 REQUIRED_MARKERS = ("cpu", "gpu", "gpu32", "bench")
 MARKERS = {
@@ -29,8 +33,8 @@ MARKERS = {
     "gpu32": "a full-size 32-rank run on the real checkpoint (DSV4_FLASH_CHECKPOINT)",
     "slow": "takes more than a few seconds",
     "bench": "a benchmark that prints figures; never asserts on time",
-    "multirank": "spawns several ranks through fixtures.multirank",
-    "pin_independent": "never imports megatron: runs once, not per Megatron-Bridge pin (fixtures/pins.py)",
+    "multirank": "spawns several ranks through fixtures.runner.multirank",
+    "pin_independent": "never imports megatron: runs once, not per Megatron-Bridge pin (fixtures/runner/pins.py)",
     "harness": "tests the suite's own machinery (suites/meta/, and tests marked so: the runner's GPU guard, the "
     "device check script): a Megatron-Bridge pin changes none of it",
     "bridge_path": "a command-line run through the whole bridge path (qualify: strict load, LoRA, gather, export, "
@@ -54,7 +58,7 @@ settings.register_profile(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-# a conformance report's run (fixtures/conformance.py): as ci, without shrinking: a report names which
+# a conformance report's run (fixtures/contract/conformance.py): as ci, without shrinking: a report names which
 # exceptions a property test meets, not the smallest example of each, and shrinking is most of such a run's time
 settings.register_profile(
     "report", settings.get_profile("ci"), phases=(Phase.explicit, Phase.reuse, Phase.generate), max_examples=10
@@ -126,7 +130,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def nproc_of(config: pytest.Config) -> int:
     """--nproc, else torchrun's WORLD_SIZE (which --nproc must then equal), else $DSV4_NPROC, else 2."""
-    from fixtures.multirank import launched_world
+    from fixtures.runner.multirank import launched_world
 
     value, world = config.getoption("nproc"), launched_world()
     if world is not None:

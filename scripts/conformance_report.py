@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Run an implementation under the suites of the capabilities it declares and print its conformance report
-(fixtures/conformance.py).
+(fixtures/contract/conformance.py).
 
 .venv/bin/python scripts/conformance_report.py                 # implementations.bridge_lora: print the report
 .venv/bin/python scripts/conformance_report.py --write         # put it into docs/conformance/bridge_lora.md
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fixtures.conformance import render_report, report_doc, run_conformance  # noqa: E402  (the root goes first)
+from fixtures.contract.conformance import render_report, report_doc, run_conformance  # noqa: E402  (the root goes first)
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ from fixtures.consumers import (  # noqa: E402  (the repository root goes on the
     probe_all,
     render_matrix,
 )
-from fixtures.impl_loader import load_impl, resolve_impl_name  # noqa: E402
+from fixtures.runner.impl_loader import load_impl, resolve_impl_name  # noqa: E402
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Print the contract an implementation provides (every ``impl.NAME`` the suites read; fixtures/suite_contract.py)
-and the capabilities a partial implementation may declare (fixtures/capabilities.py).
+"""Print the contract an implementation provides (every ``impl.NAME`` the suites read; fixtures/contract/suite_contract.py)
+and the capabilities a partial implementation may declare (fixtures/contract/capabilities.py).
 
 .venv/bin/python scripts/contract.py            # print the two markdown tables
 .venv/bin/python scripts/contract.py --write    # put them into docs/implementing.md between their markers
@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fixtures.capabilities import CAPABILITY_DOC, render_capabilities  # noqa: E402
-from fixtures.suite_contract import CONTRACT_DOC, contract_names, optional_names, render_contract  # noqa: E402  (the root goes first)
+from fixtures.contract.capabilities import CAPABILITY_DOC, render_capabilities  # noqa: E402
+from fixtures.contract.suite_contract import CONTRACT_DOC, contract_names, optional_names, render_contract  # noqa: E402  (the root goes first)
 
 
 def main() -> int:

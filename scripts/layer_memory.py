@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     import impl
-    from fixtures.saved_tensors import saved_bytes
+    from fixtures.asserts.saved_tensors import saved_bytes
 
     impl.compat_report()
     from megatron.core import parallel_state

@@ -1,4 +1,4 @@
-"""Prove the suite's power: apply each seeded mutation of fixtures/mutations.py to a fresh copy of the implementation
+"""Prove the suite's power: apply each seeded mutation of fixtures/mutations/__init__.py to a fresh copy of the implementation
 and check that the tests named for it fail.
 
     .venv/bin/python scripts/mutation_check.py [--only NAME[,NAME...]] [--jobs N] [--timeout S] [--keep]
@@ -25,10 +25,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from fixtures.impl_copy import MutationError, copy_implementation  # noqa: E402
 from fixtures.mutations import CATALOGUE, Seeded, change_problem  # noqa: E402
-from fixtures.subproc import pytest_outcomes  # noqa: E402
-from fixtures.warm_pytest import pytest_on_copy  # noqa: E402
+from fixtures.runner.impl_copy import MutationError, copy_implementation  # noqa: E402
+from fixtures.runner.subproc import pytest_outcomes  # noqa: E402
+from fixtures.runner.warm_pytest import pytest_on_copy  # noqa: E402
 
 COPY_NAME = "impl_mutant"  # the control copy has the same name, so the mutation is the only difference
 KILLED, SURVIVED, ERROR = "KILLED", "SURVIVED", "ERROR"
@@ -47,7 +47,7 @@ class Outcome:
 
 def _pytest(copy_dir: Path, targets: list[str], k: str | None, *, stop_first: bool, timeout: float, cold: bool = False):
     """Run pytest on ``targets`` against the copy in ``copy_dir``; (exit code, node id -> outcome, output, seconds).
-    Forked from the warm server (fixtures/warm_pytest.py) unless ``cold`` or DSV4_COLD_MUTANTS=1."""
+    Forked from the warm server (fixtures/runner/warm_pytest.py) unless ``cold`` or DSV4_COLD_MUTANTS=1."""
     args = ["-m", "cpu", "-n", "0", "-p", "no:randomly", "-rfE"]
     args += ["--impl", COPY_NAME, *(["-x"] if stop_first else []), *(["-k", k] if k else []), *targets]
     start = time.monotonic()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Print the producer matrices: producer x version x target spec, what verify-adapter finds in the adapter the
-producer's own code makes, and what each consumer would apply (fixtures/producers.py: stock PEFT;
-fixtures/producers_bridge.py: Megatron-Bridge's own save_hf_adapter on the native graph).
+producer's own code makes, and what each consumer would apply (fixtures/data/producers.py: stock PEFT;
+fixtures/data/producers_bridge.py: Megatron-Bridge's own save_hf_adapter on the native graph).
 
     .venv/bin/python scripts/producer_matrix.py            # print the markdown table
     .venv/bin/python scripts/producer_matrix.py --write    # put it into docs/producers.md between the markers
@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fixtures.impl_loader import resolve_impl_name  # noqa: E402  (the repository root goes on the path first)
-from fixtures.producers import PEFT_SPECS, PRODUCER_MATRIX, matrix_rows, peft_model, render_matrix  # noqa: E402
-from fixtures.producers_bridge import BRIDGE_MATRIX  # noqa: E402
+from fixtures.data.producers import PEFT_SPECS, PRODUCER_MATRIX, matrix_rows, peft_model, render_matrix  # noqa: E402
+from fixtures.data.producers_bridge import BRIDGE_MATRIX  # noqa: E402
+from fixtures.runner.impl_loader import resolve_impl_name  # noqa: E402  (the repository root goes on the path first)
 from tiny_models.oracle import write_checkpoint  # noqa: E402
 
 
@@ -49,9 +49,9 @@ def main() -> int:
 
 
 def _bridge_rows(name: str, base: Path, out: Path):
-    """Megatron-Bridge's own save_hf_adapter on the native graph (fixtures/producers_bridge.py)."""
-    from fixtures.impl_loader import load_impl
-    from fixtures.producers_bridge import bridge_adapters, bridge_version, trained_native
+    """Megatron-Bridge's own save_hf_adapter on the native graph (fixtures/data/producers_bridge.py)."""
+    from fixtures.data.producers_bridge import bridge_adapters, bridge_version, trained_native
+    from fixtures.runner.impl_loader import load_impl
 
     impl = load_impl(name)
     model, lora = trained_native(impl)

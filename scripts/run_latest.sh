@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The latest lane: the newest torch, transformers, PEFT and safetensors the package index serves
 # (requirements/latest.txt, installed by `DSV4_LANE=latest scripts/install.sh .venv-latest`).
-#   scripts/run_latest.sh [pytest args]          the megatron-free files (fixtures/pins.py) with megatron made
+#   scripts/run_latest.sh [pytest args]          the megatron-free files (fixtures/runner/pins.py) with megatron made
 #                                                unimportable, then whether Megatron-Bridge imports under this
 #                                                transformers (xfails/latest.txt: it does not under 5.24)
 #   scripts/run_latest.sh bridge [pytest args]   the rest of the files that use transformers or PEFT, as a pin

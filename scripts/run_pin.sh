@@ -2,7 +2,7 @@
 # Run the CPU suite under one Megatron-Bridge pin, using the overlay from scripts/pin_overlay.sh.
 #   scripts/run_pin.sh PIN [pytest args]      e.g. scripts/run_pin.sh 0.4.2 -k strict
 #   scripts/run_pin.sh independent [args]     the pin-independent files once, with megatron made unimportable
-# With no test paths among the args a pin runs the whole CPU suite except the files fixtures/pins.py lists as
+# With no test paths among the args a pin runs the whole CPU suite except the files fixtures/runner/pins.py lists as
 # pin-independent (they never import megatron; `independent` runs them with fixtures/no_megatron first on PYTHONPATH,
 # so one that does import it fails). Known gaps come from xfails/bridgeXY.txt (X.Y = the pin's major.minor) via
 # --xfails-file: each listed test must still fail with the exception the line names.
@@ -23,7 +23,7 @@ if [ "$PIN" = independent ]; then
   env_name=independent
   pp="$PWD/fixtures/no_megatron${PYTHONPATH:+:$PYTHONPATH}"
   marks="cpu and pin_independent"
-  pin_env=(DSV4_NO_MEGATRON=1)  # the impl fixture then skips the megatron shims (fixtures/impl_loader.py)
+  pin_env=(DSV4_NO_MEGATRON=1)  # the impl fixture then skips the megatron shims (fixtures/runner/impl_loader.py)
 else
   pp=$(scripts/pin_overlay.sh "$PIN")
   IFS=. read -r major minor _ <<<"$PIN"

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.native_weights import ensure_single_rank_megatron
-from fixtures.saved_tensors import param_storages, saved_bytes
+from fixtures.asserts.saved_tensors import param_storages, saved_bytes
+from fixtures.data.native_weights import ensure_single_rank_megatron
 from tiny_models.presets import get_preset, min_seq_len
 
 pytestmark = pytest.mark.cpu

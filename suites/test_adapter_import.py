@@ -1,6 +1,6 @@
 """A published adapter imports back into the native graph at any layout: the reverse of the export.
 
-The adapter an uninterrupted TP=2 run trained (``fixtures.loop_rank_fns``) is exported here in every dialect
+The adapter an uninterrupted TP=2 run trained (``fixtures.ranks.loop_rank_fns``) is exported here in every dialect
 (transformers, official, sglang; with its base fingerprint) and imported (``impl.import_adapter``) into a fresh
 model at TP=1, TP=2 and PP=2. Gathered again, every imported adapter equals the trained one bit for bit (native ->
 PEFT -> native is exact, whatever the layout), and the imported model's logits equal the trained model's: bit for
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.loop_rank_fns import BASE_SEED, PRESET, loop_case, loop_root, run_loop, uninterrupted_run
+from fixtures.ranks.loop_rank_fns import BASE_SEED, PRESET, loop_case, loop_root, run_loop, uninterrupted_run
 from tiny_models.presets import get_preset
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("training-loop")]

@@ -13,7 +13,7 @@ import torch
 from peft import PeftModel
 
 import fixtures.asserts as ah
-from fixtures.e2e_rank_fns import case_ids, oracle_logits, run_e2e, trained_case
+from fixtures.ranks.e2e_rank_fns import case_ids, oracle_logits, run_e2e, trained_case
 from tiny_models.oracle import load_oracle
 from tiny_models.presets import get_preset, min_seq_len
 

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from safetensors.torch import load_file, save_file
 
-from fixtures import strategies as hh
-from fixtures.adapter_states import attention_shapes, make_native_adapter
-from fixtures.subproc import run
+from fixtures.data import strategies as hh
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.runner.subproc import run
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fixtures.subproc import run
+from fixtures.runner.subproc import run
 from tiny_models.oracle import load_oracle, write_checkpoint
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]

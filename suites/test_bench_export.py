@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.adapter_states import make_native_adapter
-from fixtures.host_state import memory_state
-from fixtures.impl_loader import load_impl
-from fixtures.multirank import run_ranks
+from fixtures.data.adapter_states import make_native_adapter
+from fixtures.runner.host_state import memory_state
+from fixtures.runner.impl_loader import load_impl
+from fixtures.runner.multirank import run_ranks
 
 pytestmark = pytest.mark.bench
 

@@ -1,5 +1,5 @@
 """Benchmark: ``verify-adapter`` and ``coverage`` on a DeepSeek-V4-Flash-size base (the sparse sharded checkpoint of
-``fixtures/sparse_checkpoint.py``: the Flash manifest's ~69k tensors, ~160 GB on paper, holes on disk).
+``fixtures/data/sparse_checkpoint.py``: the Flash manifest's ~69k tensors, ~160 GB on paper, holes on disk).
 
 Each command runs in a fresh interpreter, as a user runs it; printed per run: exit status, wall time, CPU time
 (user + sys, every thread) and peak RSS, from ``wait4``, against the goals (:data:`WALL_GOAL_S`, :data:`RSS_GOAL_BYTES`)
@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from fixtures.sparse_checkpoint import SparseFlash, poked_copy
-from fixtures.subproc import Usage, run_measured
+from fixtures.data.sparse_checkpoint import SparseFlash, poked_copy
+from fixtures.runner.subproc import Usage, run_measured
 
 pytestmark = pytest.mark.bench
 

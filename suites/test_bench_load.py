@@ -27,8 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fixtures.host_state import memory_state, torch_threads
-from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.data.native_weights import ensure_single_rank_megatron
+from fixtures.runner.host_state import memory_state, torch_threads
 from tiny_models.manifest import manifest
 from tiny_models.presets import CSA, flash_config
 

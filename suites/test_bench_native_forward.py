@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from fixtures.native_weights import ensure_single_rank_megatron, load_hf_into_native
+from fixtures.data.native_weights import ensure_single_rank_megatron, load_hf_into_native
 from tiny_models import build_random_model, min_seq_len
 
 pytestmark = pytest.mark.bench

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from fixtures.subproc import run
+from fixtures.runner.subproc import run
 
 pytestmark = pytest.mark.bench
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.multirank import impl_preload, run_ranks
+from fixtures.runner.multirank import impl_preload, run_ranks
 from tiny_models.oracle import load_oracle, write_checkpoint
 from tiny_models.presets import get_preset, min_seq_len
 
@@ -106,8 +106,8 @@ def _train_one(api, case: Bf16Case, dtype: torch.dtype) -> dict:
 
 
 def rank_bf16_vs_fp32(rank: int, world_size: int, case: Bf16Case) -> dict:
-    from fixtures.impl_loader import load_impl
-    from fixtures.multirank import init_megatron_parallel
+    from fixtures.runner.impl_loader import load_impl
+    from fixtures.runner.multirank import init_megatron_parallel
 
     api = load_impl(case.impl_name)
     init_megatron_parallel()
@@ -198,7 +198,7 @@ def test_qualify_in_bf16_reloads_in_float32_where_one_lost_target_would_show(imp
     import json
     import sys
 
-    from fixtures.subproc import run
+    from fixtures.runner.subproc import run
 
     out = tmp_path / "q"
     argv = [sys.executable, "-m", f"{impl.name}.cli", "qualify", "--preset", PRESET, "--dtype", "bfloat16"]
@@ -223,7 +223,7 @@ def test_qualify_in_bf16_reloads_in_float32_where_one_lost_target_would_show(imp
     weakest = min([*detail["effect_by_target"].values(), *detail["effect_by_layer"].values()])
     assert detail["observed"] <= detail["tolerance"] < weakest, f"reload cannot see one lost part: {detail}"
     # the weakest target's effect again, with stock PEFT alone (its lora_B zeroed, merged onto the fp32 oracle)
-    from fixtures.adapter_effects import part_effect
+    from fixtures.asserts.adapter_effects import part_effect
 
     target = min(detail["effect_by_target"], key=detail["effect_by_target"].get)
     leaf = {"wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv": "kv_proj", "wo_a": "o_a_proj", "wo_b": "o_b_proj"}[target]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from fixtures.subproc import run
+from fixtures.runner.subproc import run
 
 pytestmark = pytest.mark.cpu
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
-from fixtures.multirank import impl_preload, run_ranks
+from fixtures.ranks.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
+from fixtures.runner.multirank import impl_preload, run_ranks
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset, min_seq_len
 

@@ -11,8 +11,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import fixtures.asserts as ah
-from fixtures.adapter_tamper import TAMPER, UNCERTIFY
-from fixtures.subproc import run
+from fixtures.data.adapter_tamper import TAMPER, UNCERTIFY
+from fixtures.runner.subproc import run
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
 
@@ -165,7 +165,7 @@ def test_qualify_reload_could_see_any_one_lost_target_or_layer(qualified, tmp_pa
     to within the rounding of the two measurements (one tolerance each)."""
     import torch
 
-    from fixtures.adapter_effects import part_effect
+    from fixtures.asserts.adapter_effects import part_effect
 
     reload = _check(json.loads((qualified / "qualify.json").read_text()), "reload")["detail"]
     by_target, by_layer = reload["effect_by_target"], reload["effect_by_layer"]

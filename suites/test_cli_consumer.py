@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter
-from fixtures.subproc import run
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.runner.subproc import run
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from fixtures.subproc import REPO_ROOT, run_python
+from fixtures.runner.subproc import REPO_ROOT, run_python
 
 pytestmark = pytest.mark.cpu
 

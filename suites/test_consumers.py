@@ -202,7 +202,7 @@ def test_exporting_for_an_engine_refuses_exactly_the_targets_it_would_not_apply(
     """The fail-closed export follows the engines: for every (engine, dialect, target) the engine judged, an export
     of that one target for that engine succeeds when the engine applies it (and accepts the adapter), and raises
     ConsumerSupportError naming the target otherwise."""
-    from fixtures.adapter_states import attention_shapes, make_native_adapter
+    from fixtures.data.adapter_states import attention_shapes, make_native_adapter
     from tiny_models.presets import get_preset
 
     cfg = get_preset("tiny-mixed")

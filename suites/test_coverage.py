@@ -81,7 +81,7 @@ def test_an_unknown_layout_is_a_typed_error_naming_the_choices(impl):
 def test_a_published_config_json_implies_exactly_its_manifest(impl, variant):
     """DeepSeek's published ``config.json`` (``compress_ratios`` with the MTP entry, ``num_hash_layers``) states the
     schedule outright; what it implies is the manifest ``tiny_models`` derives from the same configuration."""
-    from fixtures.sparse_checkpoint import published_config
+    from fixtures.data.sparse_checkpoint import published_config
 
     config = FULL_SIZE[variant]() if variant in FULL_SIZE else get_preset(variant)
     weights = {s.name for s in manifest(config, with_scales=False)}
@@ -100,8 +100,8 @@ def test_coverage_of_a_base_with_a_published_config_never_imports_transformers(i
     import numpy as np
     from safetensors.numpy import save_file
 
-    from fixtures.sparse_checkpoint import published_config
-    from fixtures.subproc import cli_imports
+    from fixtures.data.sparse_checkpoint import published_config
+    from fixtures.runner.subproc import cli_imports
 
     (tmp_path / "config.json").write_text(json.dumps(published_config(flash_config())))
     save_file({"embed.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "model.safetensors"))

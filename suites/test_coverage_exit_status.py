@@ -8,7 +8,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from fixtures.subproc import run
+from fixtures.runner.subproc import run
 from tiny_models.oracle import write_checkpoint
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]  # each run starts an interpreter that imports the command line

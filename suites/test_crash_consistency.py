@@ -1,7 +1,7 @@
 """A machine crash (power loss, not a process kill) mid-write never leaves a state the readers accept wrongly: the
 file-system calls of one export, one versioned publication and one training-checkpoint write are recorded from the
 real code (strace) and every state a crash may leave under ext4 ``data=ordered`` and under POSIX's weaker promise is
-rebuilt and judged by the project's own readers (``fixtures/crash_states.py`` states the models and the bound).
+rebuilt and judged by the project's own readers (``fixtures/data/crash_states.py`` states the models and the bound).
 
 Invariants: ``.complete`` never certifies bytes that are not there (``verify_adapter`` accepts every state that
 carries a marker); after ``recover_export_dir`` the destination is the old directory intact or the new one complete
@@ -22,10 +22,10 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter
-from fixtures.crash_states import MODELS, ModelReport, explore
-from fixtures.fs_model import snapshot
-from fixtures.syscall_trace import STRACE, record
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.crash_states import MODELS, ModelReport, explore
+from fixtures.data.fs_model import snapshot
+from fixtures.data.syscall_trace import STRACE, record
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
@@ -63,7 +63,7 @@ class Scenario:
         script = (
             "import importlib, json, sys\n"
             f"api = importlib.import_module({self.impl.name!r})\n"
-            "from fixtures.adapter_states import make_native_adapter\n"
+            "from fixtures.data.adapter_states import make_native_adapter\n"
             f"shapes = {self.shapes!r}\n"
             f"fingerprint = json.loads({json.dumps(self.fingerprint)!r})\n"
             f"def state(seed):\n    return api.AdapterState(make_native_adapter(shapes, {self.layers}, {R}, "

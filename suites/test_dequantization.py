@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.host_state import torch_threads
+from fixtures.runner.host_state import torch_threads
 from tiny_models.quantize import dequantize_fp8, dequantize_mxfp4
 
 pytestmark = pytest.mark.cpu

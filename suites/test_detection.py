@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fixtures.simulated_accelerators import simulate_hardware
+from fixtures.data.simulated_accelerators import simulate_hardware
 
 pytestmark = pytest.mark.cpu
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from fixtures.multirank import impl_preload, run_ranks
+from fixtures.runner.multirank import impl_preload, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
@@ -34,8 +34,8 @@ def rank_cpu_build_audit(rank: int, world_size: int, case: PlacementCase) -> dic
     """Provider build with LoRA before DDP, one Adam step, then the audit against the CPU and against 'meta'."""
     import torch
 
-    from fixtures.impl_loader import load_impl
-    from fixtures.multirank import init_megatron_parallel
+    from fixtures.runner.impl_loader import load_impl
+    from fixtures.runner.multirank import init_megatron_parallel
     from tiny_models.presets import get_preset, min_seq_len
 
     api = load_impl(case.impl_name)
@@ -83,8 +83,8 @@ def rank_cuda_host_build(rank: int, world_size: int, case: PlacementCase) -> dic
     """Build through the provider with ``torch.cuda.is_available`` patched True and ``Module.cuda`` recorded."""
     import torch
 
-    from fixtures.impl_loader import load_impl
-    from fixtures.multirank import init_megatron_parallel
+    from fixtures.runner.impl_loader import load_impl
+    from fixtures.runner.multirank import init_megatron_parallel
     from tiny_models.presets import get_preset
 
     api = load_impl(case.impl_name)
@@ -112,8 +112,8 @@ def rank_pipeline_lora_collectives(rank: int, world_size: int, case: PlacementCa
     """LoRA on a PP=2 model with ``torch.distributed``'s tensor collectives recorded (object collectives pass)."""
     import torch.distributed as dist
 
-    from fixtures.impl_loader import load_impl
-    from fixtures.multirank import init_megatron_parallel
+    from fixtures.runner.impl_loader import load_impl
+    from fixtures.runner.multirank import init_megatron_parallel
     from tiny_models.presets import get_preset
 
     api = load_impl(case.impl_name)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from fixtures.empty_conversion_rank_fns import EmptyConversionCase, rank_empty_conversion
-from fixtures.multirank import impl_preload, run_ranks
+from fixtures.ranks.empty_conversion_rank_fns import EmptyConversionCase, rank_empty_conversion
+from fixtures.runner.multirank import impl_preload, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 

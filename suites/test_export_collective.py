@@ -4,7 +4,7 @@ Fault matrix: world sizes 1, 2, 4 (8 with ``--nproc 8``) x failing rank x export
 whole matrix inside ONE spawned gloo group (cases run back to back, a barrier between them), which also proves
 that a failed export leaves the process group usable. Ranks reach the exporter only through the public API of the
 implementation under test (its name travels in the case): they inject each fault by passing ``export_adapter`` a
-copy of the implementation's own phase table with that phase wrapped (``fixtures.faults.phases_with_fault``), and
+copy of the implementation's own phase table with that phase wrapped (``fixtures.ranks.faults.phases_with_fault``), and
 they never import megatron (the exporter does not need it; importing it would cost every rank tens of seconds).
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
-from fixtures.faults import phases_with_fault
-from fixtures.impl_loader import load_impl
-from fixtures.multirank import RankFailure, run_ranks
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
+from fixtures.ranks.faults import phases_with_fault
+from fixtures.runner.impl_loader import load_impl
+from fixtures.runner.multirank import RankFailure, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 

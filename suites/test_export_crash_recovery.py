@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
 
 pytestmark = pytest.mark.cpu
 

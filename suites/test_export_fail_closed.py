@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
 
 pytestmark = pytest.mark.cpu
 

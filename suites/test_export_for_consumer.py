@@ -16,7 +16,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu

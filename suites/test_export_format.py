@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter
 
 pytestmark = pytest.mark.cpu
 

@@ -1,6 +1,6 @@
 """Full-size bases: ``verify-adapter`` and ``coverage`` judge a DeepSeek-V4-Flash checkpoint by its headers.
 
-The base is the Flash manifest as a sharded checkpoint of sparse files (``fixtures/sparse_checkpoint.py``: real
+The base is the Flash manifest as a sharded checkpoint of sparse files (``fixtures/data/sparse_checkpoint.py``: real
 headers, FP8 scale companions, MXFP4 experts, the index, the published ``config.json``; ~160 GB on paper, a few MB on
 disk); the adapter is a Flash-size rank-16 LoRA of the five main projections of all 43 layers. Each command runs as a
 user runs it, in a fresh interpreter; these tests judge what it answers. How long it takes and how much memory it
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.sparse_checkpoint import SparseFlash, poked_copy
-from fixtures.subproc import run_measured
+from fixtures.data.sparse_checkpoint import SparseFlash, poked_copy
+from fixtures.runner.subproc import run_measured
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 

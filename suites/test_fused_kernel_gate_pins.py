@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 
-from fixtures.simulated_accelerators import HARDWARE, simulate_hardware
+from fixtures.data.simulated_accelerators import HARDWARE, simulate_hardware
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu

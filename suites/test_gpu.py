@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
-from fixtures.e2e_rank_fns import FIVE_TARGETS, LoraE2ECase, case_ids, merged_oracle, oracle_logits, rank_lora_e2e
-from fixtures.multirank import destroy_megatron_parallel, impl_preload, launched_world, run_ranks
+from fixtures.ranks.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
+from fixtures.ranks.e2e_rank_fns import FIVE_TARGETS, LoraE2ECase, case_ids, merged_oracle, oracle_logits, rank_lora_e2e
+from fixtures.runner.multirank import destroy_megatron_parallel, impl_preload, launched_world, run_ranks
 from tiny_models.oracle import load_oracle
 from tiny_models.presets import get_preset, min_seq_len
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.data.native_weights import ensure_single_rank_megatron
 from tiny_models.quantize import quant_config, write_quantized_checkpoint
 
 pytestmark = pytest.mark.gpu

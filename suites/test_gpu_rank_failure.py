@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fixtures.multirank import MultiRankFailure, launched_world, run_ranks
+from fixtures.runner.multirank import MultiRankFailure, launched_world, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.multirank import GPU_WORLD, rank_world, run_ranks
-from fixtures.subproc import REPO_ROOT, pytest_outcomes, run
+from fixtures.runner.multirank import GPU_WORLD, rank_world, run_ranks
+from fixtures.runner.subproc import REPO_ROOT, pytest_outcomes, run
 
 pytestmark = [pytest.mark.cpu, pytest.mark.harness]  # the runner's guard: no Bridge pin changes it
 
@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fixtures.multirank import run_ranks
+from fixtures.runner.multirank import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter
 
 pytestmark = pytest.mark.cpu
 

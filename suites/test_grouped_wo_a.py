@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import fixtures.asserts as ah
-from fixtures.impl_loader import load_impl
-from fixtures.multirank import impl_preload, init_megatron_parallel, run_ranks
-from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.data.native_weights import ensure_single_rank_megatron
+from fixtures.runner.impl_loader import load_impl
+from fixtures.runner.multirank import impl_preload, init_megatron_parallel, run_ranks
 
 pytestmark = pytest.mark.cpu
 

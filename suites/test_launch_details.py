@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from fixtures.subproc import REPO_ROOT, pythonpath_first, run
+from fixtures.runner.subproc import REPO_ROOT, pythonpath_first, run
 
 pytestmark = pytest.mark.cpu
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from safetensors import safe_open
 
-from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.data.native_weights import ensure_single_rank_megatron
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu

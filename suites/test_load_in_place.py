@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.data.native_weights import ensure_single_rank_megatron
 
 pytestmark = pytest.mark.cpu
 

@@ -15,8 +15,8 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from torch import nn
 
-from fixtures.native_weights import ensure_single_rank_megatron
-from fixtures.strategies import v4_configs
+from fixtures.data.native_weights import ensure_single_rank_megatron
+from fixtures.data.strategies import v4_configs
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu

@@ -4,7 +4,7 @@ DeepseekV4ForCausalLM + HF PEFT: finite updates alone do not show the gradients 
 Both sides get the same seeded adapter (B non-zero, so A's gradient is not trivially zero), the same batch and the
 same loss (mean token cross-entropy against the same labels), in fp32. The native gradient is what the
 implementation's train step hands its optimizer (DDP-synchronised ``.grad``); the oracle's comes from plain
-autograd through transformers and PEFT (``fixtures/gradient_oracle.py``). At TP=2 every rank's shard is compared
+autograd through transformers and PEFT (``fixtures/ranks/gradient_oracle.py``). At TP=2 every rank's shard is compared
 with its slice of the oracle's full gradient. Every wrapped module of every layer, A and B, for all five targets
 including the grouped ``wo_a``."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.e2e_rank_fns import FIVE_TARGETS
-from fixtures.gradient_oracle import GradCase, oracle_gradients, rank_step0_gradients
-from fixtures.multirank import impl_preload, run_ranks
+from fixtures.ranks.e2e_rank_fns import FIVE_TARGETS
+from fixtures.ranks.gradient_oracle import GradCase, oracle_gradients, rank_step0_gradients
+from fixtures.runner.multirank import impl_preload, run_ranks
 from tiny_models.presets import get_preset, min_seq_len
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("lora-gradients")]
@@ -93,7 +93,7 @@ def test_step0_lora_gradients_equal_transformers_peft(impl, oracle, tp):
 
 
 def _key(native_name: str) -> tuple[int, str, str]:
-    from fixtures.gradient_oracle import HALF_OF, NATIVE_HALF
+    from fixtures.ranks.gradient_oracle import HALF_OF, NATIVE_HALF
 
     m = NATIVE_HALF.fullmatch(native_name)
     assert m is not None, native_name

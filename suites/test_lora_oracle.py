@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.e2e_rank_fns import FIVE_TARGETS, case_ids, merged_oracle, oracle_logits, run_e2e, trained_case
+from fixtures.ranks.e2e_rank_fns import FIVE_TARGETS, case_ids, merged_oracle, oracle_logits, run_e2e, trained_case
 from tiny_models.oracle import load_oracle
 from tiny_models.presets import get_preset, min_seq_len
 

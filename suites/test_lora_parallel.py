@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.e2e_rank_fns import ClipCase, rank_clipped_sgd_step, run_e2e, trained_case
-from fixtures.multirank import impl_preload, run_ranks
+from fixtures.ranks.e2e_rank_fns import ClipCase, rank_clipped_sgd_step, run_e2e, trained_case
+from fixtures.runner.multirank import impl_preload, run_ranks
 from tiny_models.presets import get_preset, min_seq_len
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("lora-e2e")]

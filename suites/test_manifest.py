@@ -18,7 +18,7 @@ from tiny_models.presets import CSA, HCA, PRESETS, flash_config, get_preset, pro
 
 pytestmark = pytest.mark.cpu
 
-# Until conftest registers the plugin ``fixtures.tiny_checkpoint_cache`` (then delete this line).
+# Until conftest registers the plugin ``fixtures.data.tiny_checkpoint_cache`` (then delete this line).
 
 BYTES = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I64": 8, "I8": 1}
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.native_weights import ensure_single_rank_megatron
-from fixtures.saved_tensors import param_storages, saved_bytes
-from fixtures.subproc import REPO_ROOT
+from fixtures.asserts.saved_tensors import param_storages, saved_bytes
+from fixtures.data.native_weights import ensure_single_rank_megatron
+from fixtures.runner.subproc import REPO_ROOT
 from tiny_models.manifest import manifest
 from tiny_models.presets import flash_config, get_preset, min_seq_len, pro_config
 

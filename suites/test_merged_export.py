@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures.e2e_rank_fns import run_e2e, trained_case
+from fixtures.ranks.e2e_rank_fns import run_e2e, trained_case
 from tiny_models.presets import get_preset, min_seq_len
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("lora-e2e")]

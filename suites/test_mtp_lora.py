@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from fixtures.multirank import impl_preload, run_ranks
+from fixtures.runner.multirank import impl_preload, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
@@ -38,8 +38,8 @@ def rank_mtp_lora_train_export(rank: int, world_size: int, case: MtpCase) -> dic
     """Build with MTP, LoRA (policy ``case.mtp``) before DDP, train, gather, export in every dialect."""
     import torch
 
-    from fixtures.impl_loader import load_impl
-    from fixtures.multirank import init_megatron_parallel
+    from fixtures.runner.impl_loader import load_impl
+    from fixtures.runner.multirank import init_megatron_parallel
     from tiny_models.presets import get_preset, min_seq_len
 
     api = load_impl(case.impl_name)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.multirank import impl_preload, init_megatron_parallel, run_ranks
-from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.data.native_weights import ensure_single_rank_megatron
+from fixtures.runner.multirank import impl_preload, init_megatron_parallel, run_ranks
 
 pytestmark = pytest.mark.cpu
 
@@ -358,7 +358,7 @@ class TPCase:
 
 
 def _rank_attention_tp(rank: int, world_size: int, case: TPCase) -> dict[str, Any]:
-    from fixtures.impl_loader import load_impl
+    from fixtures.runner.impl_loader import load_impl
 
     impl = load_impl(case.impl_name)  # imports the implementation (CPU shims) before Megatron runs
     init_megatron_parallel(tp=world_size)

@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 import fixtures.asserts as ah
-from fixtures.impl_loader import load_impl
-from fixtures.multirank import impl_preload, init_megatron_parallel, run_ranks
-from fixtures.native_weights import (
+from fixtures.data.native_weights import (
     ensure_single_rank_megatron,
     load_hf_into_native,
     load_hf_moe_into_native,
     oracle_counterparts,
 )
+from fixtures.runner.impl_loader import load_impl
+from fixtures.runner.multirank import impl_preload, init_megatron_parallel, run_ranks
 from tiny_models import build_random_model, get_preset, min_seq_len
 
 pytestmark = pytest.mark.cpu

@@ -11,8 +11,8 @@ import torch
 from hypothesis import example, given, settings
 
 from fixtures import asserts as ah
-from fixtures.native_weights import ensure_single_rank_megatron
-from fixtures.strategies import V4Spec, v4_configs
+from fixtures.data.native_weights import ensure_single_rank_megatron
+from fixtures.data.strategies import V4Spec, v4_configs
 from tiny_models.oracle import load_oracle, write_checkpoint
 from tiny_models.presets import CSA, HCA, SLIDING, min_seq_len
 

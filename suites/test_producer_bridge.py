@@ -1,6 +1,6 @@
 """Megatron-Bridge as a producer: its own adapter export (``AutoBridge.save_hf_adapter``, whose tensors come from
 ``stream_adapter_weights_megatron_to_hf``) run on the native graph with Bridge's own LoRA, and what
-``verify-adapter`` and ``export`` make of what it writes (``fixtures/producers_bridge.py`` says how it is run).
+``verify-adapter`` and ``export`` make of what it writes (``fixtures/data/producers_bridge.py`` says how it is run).
 
 ``AutoBridge`` picks upstream's ``DeepSeekV4Bridge`` for a V4 checkpoint where the pin has one (0.5+); its adapter
 export stops on the first native adapter with an ``AssertionError`` (recorded below, so a Bridge that changes this
@@ -19,7 +19,7 @@ import pytest
 from packaging.version import Version
 from safetensors import safe_open
 
-from fixtures.producers_bridge import (
+from fixtures.data.producers_bridge import (
     ALPHA,
     BRIDGE_MATRIX,
     PRESET,
@@ -29,7 +29,7 @@ from fixtures.producers_bridge import (
     bridge_version,
     trained_native,
 )
-from fixtures.subproc import run
+from fixtures.runner.subproc import run
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
@@ -127,7 +127,7 @@ def test_export_republishes_bridges_adapter_for_peft_and_peft_applies_all_of_it(
 
 
 def test_the_bridge_producer_matrix_in_the_docs_is_what_the_commands_say_now(impl, made):
-    from fixtures.producers import matrix_rows, render_matrix
+    from fixtures.data.producers import matrix_rows, render_matrix
 
     if bridge_version() != impl.LANES["main"]["megatron-bridge"]:
         pytest.skip(f"the table is of the main lane's Megatron-Bridge; this is {bridge_version()}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.consumers import HERE, PRODUCERS, require_consumer_env, run_probe_script
-from fixtures.subproc import run
+from fixtures.runner.subproc import run
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import CSA, HCA, tiny_config
 

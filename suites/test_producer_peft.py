@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.producers import PEFT_SPECS, peft_model
-from fixtures.subproc import run
+from fixtures.data.producers import PEFT_SPECS, peft_model
+from fixtures.runner.subproc import run
 from tiny_models.oracle import load_oracle, write_checkpoint
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cli")]
@@ -181,7 +181,7 @@ def test_convert_refuses_a_pickle_that_is_not_a_flat_dict_of_tensors(dsv4, made,
 
 def test_the_producer_matrix_in_the_docs_is_the_generated_one(impl, base, made):
     """docs/producers.md's table: each spec's adapter judged by verify-adapter, alone and per consumer, now."""
-    from fixtures.producers import doc_section, matrix_rows, render_matrix
+    from fixtures.data.producers import doc_section, matrix_rows, render_matrix
 
     rows = matrix_rows(impl.name, base, {name: adapter for name, (adapter, _, _) in made.items()})
     assert all(r.consumers and "no verdict" not in " ".join(r.consumers) for r in rows), rows

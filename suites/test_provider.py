@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.multirank import impl_preload, run_ranks
-from fixtures.rank_fns import ProviderCase, rank_provider_hook_before_ddp
+from fixtures.ranks.provider_rank_fns import ProviderCase, rank_provider_hook_before_ddp
+from fixtures.runner.multirank import impl_preload, run_ranks
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu
@@ -61,7 +61,7 @@ def test_uninitialized_parallel_state_is_a_clear_error(impl, monkeypatch):
 @pytest.mark.multirank
 def test_virtual_pipeline_chunks_follow_the_interleaved_layout(impl):
     """pp=2 x vpp=2 over tiny-tp's 4 layers: rank r's chunk v is virtual stage v*pp + r; embedding first, loss last."""
-    from fixtures.rank_fns import VppCase, rank_provider_virtual_pipeline
+    from fixtures.ranks.provider_rank_fns import VppCase, rank_provider_virtual_pipeline
 
     results = run_ranks(
         rank_provider_virtual_pipeline,

@@ -1,5 +1,5 @@
 """Publishing to rollout from a training run, on every rank: ``AdapterPublisher.publish_model``
-after each Adam step of a real native run (``fixtures.loop_rank_fns``), and one rank's failure during a
+after each Adam step of a real native run (``fixtures.ranks.loop_rank_fns``), and one rank's failure during a
 publication. The single-process publisher's contract (versions, copies, checksums, vLLM's in-memory load) is
 ``suites/test_publish_every_step.py``.
 """
@@ -19,7 +19,7 @@ TRAINING_RUNS = {
 
 @pytest.fixture(scope="module")
 def loop_base(tiny_ckpt_factory) -> str:
-    from fixtures.loop_rank_fns import BASE_SEED, PRESET
+    from fixtures.ranks.loop_rank_fns import BASE_SEED, PRESET
 
     return str(tiny_ckpt_factory(PRESET, seed=BASE_SEED))
 
@@ -30,7 +30,7 @@ def test_every_step_of_a_training_run_publishes_that_steps_adapter_on_every_rank
     at step k, every rank agrees on the version, the published bytes are the adapter's at that step (sha256 of
     each tensor, computed by the rank, against the gathered native adapter's), SGLang-form checksums match them,
     later steps leave every version as it was, and no published tensor shares storage with a live parameter."""
-    from fixtures.loop_rank_fns import STEPS, loop_case, run_loop
+    from fixtures.ranks.loop_rank_fns import STEPS, loop_case, run_loop
 
     layout, kw = TRAINING_RUNS[run]
     got = run_loop(impl.name, loop_case(impl.name, loop_base, layout, publish_every=1, **kw), layout)
@@ -52,7 +52,7 @@ def test_a_publication_failing_on_one_rank_fails_on_every_rank_and_the_previous_
     """A NaN in one rank's shard (the writer's, or its peer's) before the third publication: every rank raises the
     same PublicationError, naming that rank and the tensor, well within the 30 s timeout; every rank stays at
     version 2, and the writer's current publication is still version 2."""
-    from fixtures.loop_rank_fns import loop_case, run_loop
+    from fixtures.ranks.loop_rank_fns import loop_case, run_loop
 
     case = loop_case(impl.name, loop_base, "tp2", publish_every=1, poison_publish_at=3, poison_rank=rank)
     got = run_loop(impl.name, case, "tp2")

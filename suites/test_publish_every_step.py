@@ -14,7 +14,7 @@ import hashlib
 import pytest
 import torch
 
-from fixtures.adapter_states import make_native_adapter
+from fixtures.data.adapter_states import make_native_adapter
 
 pytestmark = pytest.mark.cpu
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter
 
 pytestmark = pytest.mark.cpu
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.module_tree import ATTENTION_LEAVES
+from fixtures.data.module_tree import ATTENTION_LEAVES
 
 pytestmark = pytest.mark.cpu
 

@@ -2,7 +2,7 @@
 collective export: one rank failing there is reported by every rank, within the timeout, and nothing is published.
 
 Each rank of a two-rank gloo world calls the public ``run_qualify`` in-process (the launcher runs ``fn`` on the
-world it finds), with one public function made to fail on one rank (``fixtures.faults.fail_on_rank``): the fault
+world it finds), with one public function made to fail on one rank (``fixtures.ranks.faults.fail_on_rank``): the fault
 sits where qualify really calls it, not behind a test switch.
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.faults import InjectedFault, fail_on_rank
-from fixtures.impl_loader import load_impl
-from fixtures.multirank import impl_preload, run_ranks
+from fixtures.ranks.faults import InjectedFault, fail_on_rank
+from fixtures.runner.impl_loader import load_impl
+from fixtures.runner.multirank import impl_preload, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.slow]
 

@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fixtures.asserts as ah
-from fixtures.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
-from fixtures.multirank import impl_preload, run_ranks
-from fixtures.native_weights import ensure_single_rank_megatron
+from fixtures.data.native_weights import ensure_single_rank_megatron
+from fixtures.ranks.bridge_rank_fns import RoundTripCase, rank_bridge_roundtrip
+from fixtures.runner.multirank import impl_preload, run_ranks
 from tiny_models.quantize import dequantize_state, quant_config, write_quantized_checkpoint
 
 pytestmark = pytest.mark.cpu

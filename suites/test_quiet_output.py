@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.subproc import pythonpath_first, run
+from fixtures.runner.subproc import pythonpath_first, run
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
 

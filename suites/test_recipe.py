@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from fixtures.simulated_accelerators import simulate_dsa_kernels
-from fixtures.subproc import REPO_ROOT, run
+from fixtures.data.simulated_accelerators import simulate_dsa_kernels
+from fixtures.runner.subproc import REPO_ROOT, run
 from tiny_models.presets import flash_config, get_preset, min_seq_len
 
 pytestmark = pytest.mark.cpu
@@ -270,8 +270,8 @@ def test_tiny_variant_passes_dsv4_lora_qualify_on_two_cpu_ranks(impl, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_recipe_run(impl, tmp_path_factory):
     """The 32-GPU run's own rank function (strict load, clipped Adam steps, export) on the tiny twin, PP=2."""
-    from fixtures.multirank import impl_preload, run_ranks
-    from fixtures.recipe_rank_fns import RecipeRunCase, rank_lora_recipe
+    from fixtures.ranks.recipe_rank_fns import RecipeRunCase, rank_lora_recipe
+    from fixtures.runner.multirank import impl_preload, run_ranks
     from tiny_models.oracle import write_checkpoint
 
     tmp = tmp_path_factory.mktemp("tiny-recipe")

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 import fixtures.asserts as ah
-from fixtures.multirank import RankFailure, impl_preload, run_ranks
-from fixtures.recipe_rank_fns import RecipeLoopCase, rank_recipe_loop
+from fixtures.ranks.recipe_rank_fns import RecipeLoopCase, rank_recipe_loop
+from fixtures.runner.multirank import RankFailure, impl_preload, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 

@@ -1,6 +1,6 @@
 """#4131 / #4305: the Flash LoRA recipe next to the installed Megatron-Bridge's own Flash SFT recipe.
 
-The upstream recipe function is run from the installed pin (``fixtures.upstream_recipe``: only the Hub download and
+The upstream recipe function is run from the installed pin (``fixtures.data.upstream_recipe``: only the Hub download and
 the data stack are stood in for) on a simulated H100 and B200. :data:`SHARED` lists every setting the two recipes
 share (parallel layout, pipeline layout, dtype, dispatcher, recompute, fusions, sequence settings): each must equal
 upstream's value, or carry the LoRA-specific reason it differs (and still differ). Rope fusion (#4305) is carried
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from fixtures.simulated_accelerators import simulate_hardware
-from fixtures.upstream_recipe import build_upstream_flash_sft
+from fixtures.data.simulated_accelerators import simulate_hardware
+from fixtures.data.upstream_recipe import build_upstream_flash_sft
 
 pytestmark = pytest.mark.cpu
 

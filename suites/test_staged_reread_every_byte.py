@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from fixtures.adapter_states import make_native_adapter, snapshot_tree
+from fixtures.data.adapter_states import make_native_adapter, snapshot_tree
 
 pytestmark = pytest.mark.cpu
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fixtures.module_tree import ATTENTION_LEAVES
+from fixtures.data.module_tree import ATTENTION_LEAVES
 
 pytestmark = pytest.mark.cpu
 

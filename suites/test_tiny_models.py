@@ -12,8 +12,8 @@ from hypothesis import given, note
 from safetensors.torch import load_file
 
 import fixtures.asserts as ah
-from fixtures.host_state import torch_threads
-from fixtures.strategies import v4_configs
+from fixtures.data.strategies import v4_configs
+from fixtures.runner.host_state import torch_threads
 from tiny_models.errors import CheckpointNameError, UnknownPresetError
 from tiny_models.manifest import manifest
 from tiny_models.oracle import (
@@ -28,7 +28,7 @@ from tiny_models.presets import CSA, HCA, PRESETS, SLIDING, get_preset, min_seq_
 
 pytestmark = pytest.mark.cpu
 
-# Until conftest registers the plugin ``fixtures.tiny_checkpoint_cache`` (then delete this line).
+# Until conftest registers the plugin ``fixtures.data.tiny_checkpoint_cache`` (then delete this line).
 
 ALL_PRESETS = sorted(PRESETS)
 

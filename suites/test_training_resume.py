@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.loop_rank_fns import (
+from fixtures.ranks.loop_rank_fns import (
     BASE_SEED,
     PRESET,
     SAVE_AT,

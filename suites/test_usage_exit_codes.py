@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fixtures.subproc import run
+from fixtures.runner.subproc import run
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]  # starts an interpreter that imports the command line
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fixtures.subproc import run
+from fixtures.runner.subproc import run
 from tiny_models.v41 import V41_SPELLINGS, write_v41_base
 
 pytestmark = pytest.mark.cpu

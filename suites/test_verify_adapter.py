@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from fixtures.adapter_states import attention_shapes, make_native_adapter
-from fixtures.adapter_tamper import TAMPER, UNCERTIFY
+from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_tamper import TAMPER, UNCERTIFY
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
@@ -80,7 +80,7 @@ def test_an_exported_adapter_is_certified(impl, exported):
 def test_verify_adapter_reads_without_importing_torch(impl, exported):
     """The checks read bytes, shapes and dtypes: importing torch would cost the command about a second and
     ~500 MB before it reads anything (``pytest -m bench -s suites/test_bench_full_size_base.py``)."""
-    from fixtures.subproc import cli_imports
+    from fixtures.runner.subproc import cli_imports
 
     base, adapter = exported
     status, torch_imported, out = cli_imports(

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.adapter_states import make_native_adapter
-from fixtures.faults import kill_on_call
+from fixtures.data.adapter_states import make_native_adapter
+from fixtures.ranks.faults import kill_on_call
 
 pytestmark = pytest.mark.cpu
 
@@ -44,7 +44,7 @@ def test_a_reader_loading_in_a_loop_never_pairs_two_versions_or_reads_a_partial_
     root = tmp_path / "published"
     out = tmp_path / "reader.json"
     reader = subprocess.Popen(
-        [sys.executable, str(REPO / "fixtures" / "version_reader.py"), "--root", str(root), "--out", str(out)],
+        [sys.executable, str(REPO / "fixtures" / "data" / "version_reader.py"), "--root", str(root), "--out", str(out)],
         cwd=REPO,
     )
     try:

@@ -1,7 +1,7 @@
 """The one rank launcher: run ``fn(rank, world_size, case)`` on N ranks, never hang, report every rank.
 
 Used by the command line (``qualify``: :func:`run_on_ranks`, which raises :class:`LaunchError`) and by the test
-suites' runner (``fixtures/multirank.py``, which judges :func:`launch_ranks`' results against declared
+suites' runner (``fixtures/runner/multirank.py``, which judges :func:`launch_ranks`' results against declared
 expectations).
 
 * Plain process: ``nproc`` ranks are spawned (``impl.cli.spawn``): gloo (the command line: NCCL where CUDA is
@@ -39,7 +39,7 @@ from impl.cli.rank_report import (
 from impl.cli.spawn import Preload, collective_timeout_s, spawn_ranks
 from impl.errors import LaunchError
 
-__all__ = [  # the outcome names and report helpers are re-exported for the suites' runner (fixtures/multirank.py)
+__all__ = [  # the outcome names and report helpers are re-exported for the suites' runner (fixtures/runner/multirank.py)
     "GRACE_S",
     "RAISED",
     "SIGNALLED",

@@ -17,7 +17,7 @@ from typing import Any
 
 import impl
 
-#: the one capability this module implements (fixtures/capabilities.py)
+#: the one capability this module implements (fixtures/contract/capabilities.py)
 CAPABILITIES = frozenset({"lora-construction"})
 #: names taken from the reference implementation, not Bridge's: the graph LoRA is applied to and the error types
 BORROWED = ("compat_report", "V4Config", "DeepseekV4NativeModel", "TargetError", "MultiLoRAUnsupportedError")

@@ -5,7 +5,7 @@ The rule, checked on the source of ``suites/`` and ``fixtures/`` (``conftest.py`
 1. No direct import of the implementation package: ``import impl``, ``import impl.x``, ``from impl... import``,
    ``importlib.import_module("impl...")``, nor such an import inside a string of Python code that a test runs in a
    subprocess. The suites reach the implementation only through the ``impl`` fixture, or, in a rank function or a
-   subprocess, through ``fixtures.impl_loader`` with the implementation's name, so ``--impl other`` tests ``other``
+   subprocess, through ``fixtures.runner.impl_loader`` with the implementation's name, so ``--impl other`` tests ``other``
    everywhere.
 2. No private attribute of an implementation object: a name starting with ``_`` (dunders such as ``__name__`` are
    fine) reached from a value that comes from the implementation. Such values are found per function by following
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.impl_copy import MutationError, TextMutation, copy_implementation, rename_package
-from fixtures.subproc import REPO_ROOT
+from fixtures.runner.impl_copy import MutationError, TextMutation, copy_implementation, rename_package
+from fixtures.runner.subproc import REPO_ROOT
 
 pytestmark = pytest.mark.cpu
 
@@ -40,7 +40,7 @@ SCANNED = ("suites", "fixtures", "conftest.py")
 #: The harness's own infrastructure that lives in the reference package, reached whatever ``--impl`` names: the
 #: project's one rank launcher (spawn, rendezvous, reap, report) is shared by the command line and the runner, and
 #: is not behaviour under test (suites/meta/test_runner.py tests it). (file, imported module).
-HARNESS_IMPORTS: frozenset[tuple[str, str]] = frozenset({("fixtures/multirank.py", "impl.cli.launch")})
+HARNESS_IMPORTS: frozenset[tuple[str, str]] = frozenset({("fixtures/runner/multirank.py", "impl.cli.launch")})
 
 
 _MODULE_PATH = re.compile(rf"{IMPL_PACKAGE}(?:\.\w+)+")  # a dotted path into the package: imported or patched
@@ -284,7 +284,7 @@ VIOLATIONS = {
     "hard-coded-name": ("def rank():\n    load_impl('impl')\n", "load_impl('impl') ignores --impl"),
     "module-path": ("CLI = ['python', '-m', 'impl.cli']\n", "names the module 'impl.cli'"),
     "private-on-loaded": (
-        "from fixtures.impl_loader import load_impl\ndef rank(name):\n    mod = load_impl(name).module\n"
+        "from fixtures.runner.impl_loader import load_impl\ndef rank(name):\n    mod = load_impl(name).module\n"
         "    return mod._WHERE\n",
         "mod._WHERE",
     ),
@@ -303,7 +303,7 @@ ALLOWED = {
     "private-on-a-non-impl-object": "import os\ndef test_x(impl):\n    os._exit\n    dispatcher = object()\n"
     "    dispatcher._name\n",
     "a rebound parameter": "def helper(impl):\n    pass\ndef test_x(model):\n    model._modules\n",
-    "the loader with the implementation's name": "from fixtures.impl_loader import load_impl\n"
+    "the loader with the implementation's name": "from fixtures.runner.impl_loader import load_impl\n"
     "def rank(impl_name):\n    load_impl(impl_name).DIALECTS\n",
     "a prose mention": "DOC = 'suites never import impl directly'\n",
 }
@@ -361,8 +361,8 @@ MUTANTS = {
 
 def _run_selection(copy, node_ids: tuple[str, ...]):
     """Run ``node_ids`` (from the repository root, so conftest and fixtures load as usual) against ``copy``."""
-    from fixtures.subproc import pytest_outcomes
-    from fixtures.warm_pytest import pytest_on_copy
+    from fixtures.runner.subproc import pytest_outcomes
+    from fixtures.runner.warm_pytest import pytest_on_copy
 
     args = ["-m", "cpu", "-n", "0", "-rA", "--impl", copy.name, *node_ids]
     rc, out = pytest_on_copy(args, copy_dir=copy.path, copy_name=copy.name, timeout=600)

@@ -1,4 +1,4 @@
-"""Capabilities: every suite file belongs to exactly one (``fixtures/capabilities.py``), and an implementation that
+"""Capabilities: every suite file belongs to exactly one (``fixtures/contract/capabilities.py``), and an implementation that
 declares some has the tests of the others skipped with the reason, never passed."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from fixtures.capabilities import (
+from fixtures.contract.capabilities import (
     BY_NAME,
     CAPABILITIES,
     CAPABILITY_DOC,
@@ -17,7 +17,7 @@ from fixtures.capabilities import (
     render_capabilities,
     skip_undeclared,
 )
-from fixtures.subproc import REPO_ROOT, pytest_outcomes, run
+from fixtures.runner.subproc import REPO_ROOT, pytest_outcomes, run
 
 pytestmark = pytest.mark.cpu
 
@@ -32,7 +32,7 @@ def _rows_holding(path: str) -> list[str]:
 
 def test_every_suite_file_is_in_exactly_one_capability():
     wrong = {path: rows for path in _suite_files() if len(rows := _rows_holding(path)) != 1}
-    assert not wrong, "suite files in no capability or in several (fixtures/capabilities.py): " + repr(wrong)
+    assert not wrong, "suite files in no capability or in several (fixtures/contract/capabilities.py): " + repr(wrong)
 
 
 def test_every_file_a_capability_names_exists():
@@ -44,7 +44,7 @@ def test_the_documented_capabilities_are_the_table():
     section = CAPABILITY_DOC.section(CAPABILITY_DOC.path.read_text())
     assert section is not None, "docs/implementing.md lost its capabilities markers"
     assert section == render_capabilities(), (
-        "docs/implementing.md's capabilities differ from fixtures/capabilities.py: "
+        "docs/implementing.md's capabilities differ from fixtures/contract/capabilities.py: "
         "run '.venv/bin/python scripts/contract.py --write'"
     )
 

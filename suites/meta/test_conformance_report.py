@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from fixtures.conformance import installed_version, render_report, report_doc, run_conformance
+from fixtures.contract.conformance import installed_version, render_report, report_doc, run_conformance
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.harness]
 

@@ -16,7 +16,7 @@ def test_hypothesis_profile_is_loaded(pytestconfig):
 
 
 def test_missing_entry_point_raises_impl_missing(impl):
-    from fixtures.impl_loader import ImplMissing
+    from fixtures.runner.impl_loader import ImplMissing
 
     with pytest.raises(ImplMissing, match="no_such_entry_point"):
         impl.no_such_entry_point()
@@ -26,7 +26,7 @@ def test_loadgroup_keeps_an_xdist_group_on_one_worker(tmp_path):
     """Shared multi-rank runs and the qualify fixture rely on ``--dist loadgroup``. pytest 9.2 keeps node ids in
     ``_id`` while pytest-xdist 3.8 tags groups through ``_nodeid``, so there the grouping silently did nothing
     (requirements/base.txt pins pytest 9.1.1); this run of a generated file catches such a pairing."""
-    from fixtures.subproc import run
+    from fixtures.runner.subproc import run
 
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_grouped.py").write_text(
@@ -78,7 +78,7 @@ def _run_under_our_conftest(tmp_path, test_file: str, source: str, *args: str) -
     holding one exception class); return pytest's exit code and output."""
     import shutil
 
-    from fixtures.subproc import REPO_ROOT, run
+    from fixtures.runner.subproc import REPO_ROOT, run
 
     shutil.copy(REPO_ROOT / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers -p no:cacheprovider\n")
@@ -100,7 +100,7 @@ def _run_generated_suite(tmp_path, xfails: str | None) -> tuple[int, str]:
 
 def _outcomes(output: str) -> dict[str, str]:
     """test name -> PASSED / FAILED / XFAIL / XPASS from pytest's -rA summary."""
-    from fixtures.subproc import pytest_outcomes
+    from fixtures.runner.subproc import pytest_outcomes
 
     return {node.split("::")[1]: word for node, word in pytest_outcomes(output).items()}
 

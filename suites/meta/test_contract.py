@@ -1,13 +1,13 @@
 """The contract in docs/implementing.md is what the suites read, and the reference implementation provides it.
 
-The list is generated from the suites' source (``fixtures/suite_contract.py``), never from an implementation; a suite
+The list is generated from the suites' source (``fixtures/contract/suite_contract.py``), never from an implementation; a suite
 that starts reading a new name makes the document stale until ``scripts/contract.py --write`` is run."""
 
 from __future__ import annotations
 
 import pytest
 
-from fixtures.suite_contract import CONTRACT_DOC, contract_names, optional_names, render_contract
+from fixtures.contract.suite_contract import CONTRACT_DOC, contract_names, optional_names, render_contract
 
 pytestmark = pytest.mark.cpu
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.subproc import REPO_ROOT
+from fixtures.runner.subproc import REPO_ROOT
 
 pytestmark = pytest.mark.cpu
 

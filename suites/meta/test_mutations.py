@@ -1,4 +1,4 @@
-"""The mutation catalogue (fixtures/mutations.py) stays honest without running it.
+"""The mutation catalogue (fixtures/mutations/__init__.py) stays honest without running it.
 
 Every row still applies exactly once to the implementation as it is (a moved code path fails the normal suite, not
 only ``scripts/mutation_check.py``), its mutated file still compiles, and the tests it names exist; every claim is
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.impl_copy import REPO_ROOT, SOURCE_PACKAGE, TextMutation
 from fixtures.mutations import CATALOGUE, CLAIMS, UNATTACKED, Seeded, Source, change_problem
+from fixtures.runner.impl_copy import REPO_ROOT, SOURCE_PACKAGE, TextMutation
 
 pytestmark = pytest.mark.cpu
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fixtures.pins import PIN_INDEPENDENT
-from fixtures.subproc import REPO_ROOT, run
+from fixtures.runner.pins import PIN_INDEPENDENT
+from fixtures.runner.subproc import REPO_ROOT, run
 
 pytestmark = pytest.mark.cpu
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fixtures.faults import InjectedFault, fail_on_rank, kill_self_on_rank
-from fixtures.multirank import (
+from fixtures.ranks.faults import InjectedFault, fail_on_rank, kill_self_on_rank
+from fixtures.runner.multirank import (
     CPU_WORLD,
     AllRanksRaise,
     LaunchedWorld,
@@ -30,7 +30,7 @@ from fixtures.multirank import (
     rank_world,
     run_ranks,
 )
-from fixtures.processes import assert_no_orphans, child_pids
+from fixtures.runner.processes import assert_no_orphans, child_pids
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
@@ -395,7 +395,7 @@ def test_fault_patches_are_undone_on_exit(monkeypatch):
 
     import torch.distributed as dist
 
-    import fixtures.faults as faults
+    import fixtures.ranks.faults as faults
 
     before_static = inspect.getattr_static(_Store, "save")
     instance = _Store()

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.subproc import REPO_ROOT
+from fixtures.runner.subproc import REPO_ROOT
 
 pytestmark = pytest.mark.cpu
 
-PACKAGES = ("impl", "fixtures", "tiny_models", "suites", "scripts")
+PACKAGES = ("impl", "implementations", "fixtures", "tiny_models", "suites", "scripts")
 #: names every package may have once: its marker, and the errors module of a top-level package
 SHARED_NAMES = frozenset({"__init__.py", "errors.py", "conftest.py"})
 

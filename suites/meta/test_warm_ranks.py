@@ -1,4 +1,4 @@
-"""Warm ranks (``fixtures/warm_ranks.py``): a launch whose ranks only preload the implementation under test forks
+"""Warm ranks (``fixtures/runner/warm_ranks.py``): a launch whose ranks only preload the implementation under test forks
 them from one fork server per test process; a launch that a fresh interpreter could run differently still spawns
 fresh ranks; a forked rank's death or hang is reported like a spawned rank's, and nothing is left behind."""
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from fixtures.multirank import MultiRankFailure, impl_preload, run_ranks
-from fixtures.processes import assert_no_orphans, child_pids
-from fixtures.warm_ranks import COLD_ENV, start_method_for
+from fixtures.runner.multirank import MultiRankFailure, impl_preload, run_ranks
+from fixtures.runner.processes import assert_no_orphans, child_pids
+from fixtures.runner.warm_ranks import COLD_ENV, start_method_for
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
