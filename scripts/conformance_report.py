@@ -13,22 +13,19 @@ Exit status 3 when the run itself fails: a known gap that closed, or a test that
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.contract.conformance import render_report, report_doc, run_conformance  # noqa: E402  (the root goes first)
+from fixtures.contract.generated import script_parser  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, "the conformance report")
     parser.add_argument("--impl", default="implementations.bridge_lora", help="the implementation module")
     parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers for the run (default 0)")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="replace the document's generated section")
-    mode.add_argument("--check", action="store_true", help="exit 1 if the document's generated section differs")
     args = parser.parse_args()
     print(f"conformance_report: running {args.impl} under its declared capabilities ...", file=sys.stderr)
     run = run_conformance(args.impl, workers=args.workers)

@@ -10,7 +10,6 @@ own code gives an adapter the implementation exported (fixtures/consumers). Need
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -26,14 +25,12 @@ from fixtures.consumers import (  # noqa: E402  (the repository root goes on the
     probe_all,
     render_matrix,
 )
+from fixtures.contract.generated import script_parser  # noqa: E402
 from fixtures.runner.impl_loader import load_impl, resolve_impl_name  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="replace docs/consumers.md's generated section")
-    mode.add_argument("--check", action="store_true", help="exit 1 if docs/consumers.md's generated section differs")
+    parser = script_parser(__doc__, "docs/consumers.md")
     parser.add_argument("--json", type=Path, help="also write the raw probe reports here")
     parser.add_argument("--impl", default=None, help="implementation module (default: impl or $DSV4_IMPL)")
     args = parser.parse_args()

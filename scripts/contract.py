@@ -9,21 +9,18 @@ and the capabilities a partial implementation may declare (fixtures/contract/cap
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.contract.capabilities import CAPABILITY_DOC, render_capabilities  # noqa: E402
+from fixtures.contract.generated import script_parser  # noqa: E402
 from fixtures.contract.suite_contract import CONTRACT_DOC, contract_names, optional_names, render_contract  # noqa: E402  (the root goes first)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="replace docs/implementing.md's generated section")
-    mode.add_argument("--check", action="store_true", help="exit 1 if docs/implementing.md's generated section differs")
+    parser = script_parser(__doc__, "docs/implementing.md")
     args = parser.parse_args()
     contract = CONTRACT_DOC.apply(
         render_contract(contract_names(), optional_names()), write=args.write, check=args.check

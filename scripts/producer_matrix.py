@@ -10,7 +10,6 @@ fixtures/data/producers_bridge.py: Megatron-Bridge's own save_hf_adapter on the 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fixtures.contract.generated import script_parser  # noqa: E402
 from fixtures.data.producers import PEFT_SPECS, PRODUCER_MATRIX, matrix_rows, peft_model, render_matrix  # noqa: E402
 from fixtures.data.producers_bridge import BRIDGE_MATRIX  # noqa: E402
 from fixtures.runner.impl_loader import resolve_impl_name  # noqa: E402  (the repository root goes on the path first)
@@ -26,10 +26,7 @@ from tiny_models.oracle import write_checkpoint  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="replace docs/producers.md's generated section")
-    mode.add_argument("--check", action="store_true", help="exit 1 if docs/producers.md's generated section differs")
+    parser = script_parser(__doc__, "docs/producers.md")
     parser.add_argument("--impl", default=None, help="implementation module (default: impl or $DSV4_IMPL)")
     args = parser.parse_args()
     with contextlib.redirect_stdout(sys.stderr), tempfile.TemporaryDirectory(prefix="producer-matrix-") as tmp:

@@ -17,7 +17,7 @@ from hypothesis import given
 from safetensors.torch import load_file, save_file
 
 from fixtures.data import strategies as hh
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import export_fingerprinted_adapter
 from fixtures.runner.subproc import run
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
@@ -48,16 +48,7 @@ def build_pair(impl, root: Path) -> tuple[Path, Path]:
     """A sharded tiny V4 base and a fingerprinted adapter on its five main targets."""
     base = write_checkpoint(PRESET, root / "base", seed=2)
     shard_base(base)
-    cfg = get_preset(PRESET)
-    shapes = attention_shapes(
-        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-    )
-    layers = cfg.num_hidden_layers
-    fingerprint = impl.base_fingerprint(
-        base, [f"layers.{i}.attn.{leaf}.weight" for i in range(layers) for leaf in shapes]
-    )
-    state = impl.AdapterState(make_native_adapter(shapes, layers, R, seed=7), r=R, alpha=8.0)
-    impl.export_adapter(state, root / "adapter", base_fingerprint=fingerprint)
+    export_fingerprinted_adapter(impl, base, root / "adapter", get_preset(PRESET), r=R, alpha=8.0)
     return base, root / "adapter"
 
 

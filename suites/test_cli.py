@@ -240,12 +240,18 @@ def test_verify_adapter_accepts_the_qualified_adapter(dsv4, qualified):
     assert "PASSED" in result.stdout and "forward" in result.stdout
 
 
+def _edited_copies(qualified: Path, tmp_path: Path, edit) -> tuple[Path, Path]:
+    """Copies of qualify's base and adapter under ``tmp_path``, then ``edit(adapter, base)`` applied to them."""
+    base, adapter = _copy_base(qualified, tmp_path), tmp_path / "adapter"
+    shutil.copytree(qualified / "adapter", adapter)
+    edit(adapter, base)
+    return base, adapter
+
+
 @pytest.mark.parametrize("case", sorted(TAMPER))
 def test_verify_adapter_catches(dsv4, qualified, tmp_path, case):
     tamper, expected = TAMPER[case]
-    base, adapter = _copy_base(qualified, tmp_path), tmp_path / "adapter"
-    shutil.copytree(qualified / "adapter", adapter)
-    tamper(adapter, base)
+    base, adapter = _edited_copies(qualified, tmp_path, tamper)
     result = dsv4("verify-adapter", "--base", base, "--adapter", adapter)
     assert result.returncode == 1, f"{case}: verify-adapter passed a tampered adapter:\n{result.stdout[-3000:]}"
     assert expected in result.stdout, f"{case}: problem list does not name {expected!r}:\n{result.stdout[-3000:]}"
@@ -256,9 +262,7 @@ def test_validate_adapter_dir_raises_the_first_problem_verify_adapter_lists(impl
     """One list of checks, two reporters: on the same tampered adapter, the library's validate_adapter_dir fails
     closed with exactly the first problem that verify-adapter lists."""
     tamper, _ = TAMPER[case]
-    base, adapter = _copy_base(qualified, tmp_path), tmp_path / "adapter"
-    shutil.copytree(qualified / "adapter", adapter)
-    tamper(adapter, base)
+    base, adapter = _edited_copies(qualified, tmp_path, tamper)
     listed = impl.verify_adapter(base, adapter).problems
     assert listed, f"{case}: verify_adapter lists no problem"
     with pytest.raises(impl.Dsv4Error) as info:
@@ -269,9 +273,7 @@ def test_validate_adapter_dir_raises_the_first_problem_verify_adapter_lists(impl
 @pytest.mark.parametrize("case", sorted(UNCERTIFY))
 def test_verify_adapter_passes_an_uncertified_adapter_unless_certification_is_required(dsv4, qualified, tmp_path, case):
     edit, expected = UNCERTIFY[case]
-    base, adapter = _copy_base(qualified, tmp_path), tmp_path / "adapter"
-    shutil.copytree(qualified / "adapter", adapter)
-    edit(adapter, base)
+    base, adapter = _edited_copies(qualified, tmp_path, edit)
     result = dsv4("verify-adapter", "--base", base, "--adapter", adapter)
     assert result.returncode == 0, f"{case}: a sound adapter failed:\n{result.stdout[-3000:]}"
     assert "UNCERTIFIED" in result.stdout and expected in result.stdout, result.stdout[-3000:]

@@ -8,7 +8,12 @@ import math
 import pytest
 import torch
 
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
+from fixtures.data.adapter_states import (
+    attention_shapes,
+    make_native_adapter,
+    snapshot_tree,
+    tampering_the_staged_file,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -159,18 +164,7 @@ def test_a_staged_file_that_differs_from_what_was_written_is_never_published(api
     out = tmp_path / "adapter"
     api.export_adapter(api.AdapterState(_good(), r=R, alpha=8.0), out)
     before = snapshot_tree(out)
-    said = []
-
-    def write_then_tamper(run):
-        def phase(ctx) -> None:
-            run(ctx)
-            staged = [p for p in tmp_path.rglob("adapter_model.safetensors") if p.parent != out]
-            if staged:
-                said.append(tamper(staged[0]))
-
-        return phase
-
-    phases = tuple((name, write_then_tamper(run) if name == "write" else run) for name, run in api.EXPORT_PHASES)
+    phases, said = tampering_the_staged_file(api.EXPORT_PHASES, tmp_path, out, tamper)
     with pytest.raises(api.CollectiveExportError, match="phase validate") as info:
         api.export_adapter(api.AdapterState(_good(), r=R, alpha=9.0), out, phases=phases)
     assert said, (

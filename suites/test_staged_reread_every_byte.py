@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from fixtures.data.adapter_states import make_native_adapter, snapshot_tree
+from fixtures.data.adapter_states import make_native_adapter, snapshot_tree, tampering_the_staged_file
 
 pytestmark = pytest.mark.cpu
 
@@ -39,20 +39,10 @@ def test_a_flipped_bit_in_a_tensors_last_partial_word_is_never_published(impl, t
     out = tmp_path / "adapter"
     impl.export_adapter(state(8.0), out)
     before = snapshot_tree(out)
-    flipped: list[str] = []
-
-    def write_then_flip(run):
-        def phase(ctx) -> None:
-            run(ctx)
-            staged = [p for p in tmp_path.rglob("adapter_model.safetensors") if p.parent != out]
-            if staged:
-                flipped.extend(_flip_last_byte_of_each_tensor(staged[0]))
-
-        return phase
-
-    phases = tuple((name, write_then_flip(run) if name == "write" else run) for name, run in impl.EXPORT_PHASES)
+    phases, calls = tampering_the_staged_file(impl.EXPORT_PHASES, tmp_path, out, _flip_last_byte_of_each_tensor)
     with pytest.raises(impl.CollectiveExportError, match="phase validate") as info:
         impl.export_adapter(state(9.0), out, phases=phases)
+    flipped = [name for names in calls for name in names]
     assert flipped, "the write phase left no staged adapter file beside the destination: the test proves nothing"
     unnamed = [name for name in flipped if name not in str(info.value)]
     assert not unnamed, f"the refusal does not name {unnamed}: {info.value}"

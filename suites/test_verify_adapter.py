@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import export_fingerprinted_adapter
 from fixtures.data.adapter_tamper import TAMPER, UNCERTIFY
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
@@ -23,17 +23,15 @@ def exported(impl, tmp_path_factory):
     """A tiny official-layout base and an adapter on the five main targets exported against it, fingerprinted."""
     root = tmp_path_factory.mktemp("verify")
     base = write_checkpoint(PRESET, root / "base", seed=2)
-    cfg = get_preset(PRESET)
-    shapes = attention_shapes(
-        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-    )
-    layers = cfg.num_hidden_layers
-    fingerprint = impl.base_fingerprint(
-        base, [f"layers.{i}.attn.{leaf}.weight" for i in range(layers) for leaf in shapes]
-    )
-    adapter = root / "adapter"
-    state = impl.AdapterState(make_native_adapter(shapes, layers, R, seed=7), r=R, alpha=ALPHA)
-    impl.export_adapter(state, adapter, base_fingerprint=fingerprint)
+    return base, export_fingerprinted_adapter(impl, base, root / "adapter", get_preset(PRESET), r=R, alpha=ALPHA)
+
+
+def _edited_copies(exported, tmp_path, edit):
+    """Copies of the exported base and adapter under ``tmp_path``, then ``edit(adapter, base)`` applied to them."""
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    shutil.copytree(exported[0], base)
+    shutil.copytree(exported[1], adapter)
+    edit(adapter, base)
     return base, adapter
 
 
@@ -46,10 +44,7 @@ def test_an_exported_adapter_passes_against_its_base(impl, exported):
 @pytest.mark.parametrize("case", sorted(TAMPER))
 def test_each_spoilt_adapter_or_base_is_reported_by_name(impl, exported, tmp_path, case):
     tamper, expected = TAMPER[case]
-    base, adapter = tmp_path / "base", tmp_path / "adapter"
-    shutil.copytree(exported[0], base)
-    shutil.copytree(exported[1], adapter)
-    tamper(adapter, base)
+    base, adapter = _edited_copies(exported, tmp_path, tamper)
     result = impl.verify_adapter(base, adapter)
     problems = "\n".join(result.problems)
     assert not result.ok, f"{case}: verify_adapter passed a spoilt adapter"
@@ -61,10 +56,7 @@ def test_a_sound_adapter_without_provenance_is_uncertified_not_wrong(impl, expor
     """Without ``.complete`` an adapter cannot prove its completeness: it passes as uncertified, and fails only when
     certification is required, naming what is missing."""
     edit, expected = UNCERTIFY[case]
-    base, adapter = tmp_path / "base", tmp_path / "adapter"
-    shutil.copytree(exported[0], base)
-    shutil.copytree(exported[1], adapter)
-    edit(adapter, base)
+    base, adapter = _edited_copies(exported, tmp_path, edit)
     result = impl.verify_adapter(base, adapter)
     assert result.ok, f"{case}: an otherwise sound adapter failed: {result.problems}"
     assert result.uncertified and expected in result.uncertified, f"{case}: provenance says {result.uncertified!r}"
