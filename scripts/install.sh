@@ -18,8 +18,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 # Byte-compiled at install (pip's default), never lazily: where PYTHONDONTWRITEBYTECODE is set (this host sets it) a
-# lazily compiled module is compiled again by every interpreter: importing torch and megatron.core took 10 s of CPU
-# instead of 4 in each of the suite's hundreds of subprocesses and ranks.
+# lazily compiled module is compiled again by every interpreter, in each of the suite's hundreds of subprocesses and
+# ranks (docs/performance.md, test harness).
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 REQUIREMENTS=requirements/base.txt
 if [ "${DSV4_LANE:-main}" = latest ]; then

@@ -2,7 +2,7 @@
 # Build (or reuse) a small per-pin overlay of megatron-bridge [+ megatron-core] and print the PYTHONPATH to use.
 #   scripts/pin_overlay.sh PIN            PIN = megatron-bridge version, e.g. 0.4.2 | 0.5.1 | 0.6.2
 #   PYTHONPATH=$(scripts/pin_overlay.sh 0.5.1) .venv/bin/python -m pytest ...
-# Instead of one ~5 GB venv per pin, the overlay holds only the packages that differ from .venv
+# Instead of one whole venv per pin, the overlay holds only the packages that differ from .venv
 # (installed --no-deps into .pins/<PIN>/) and is prepended to PYTHONPATH. `megatron` is a namespace package
 # (no __init__.py), so megatron.bridge / megatron.core / megatron.training resolve from the overlay first and
 # everything else (torch, transformers, peft) from .venv.
