@@ -67,21 +67,6 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def _least_layer_effect(hf, ids: torch.Tensor, want: torch.Tensor) -> tuple[float, int]:
-    """max |Δ logits| when one layer's attention output projection is zeroed in the oracle, least over the layers
-    (the smallest defect the logit comparison claims to see); the weights are restored exactly after each."""
-    effects = []
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            weight = layer.self_attn.o_b_proj.weight
-            saved = weight.clone()
-            weight.zero_()
-            effects.append(_maxdiff(hf(ids).logits, want))
-            weight.copy_(saved)
-    least = min(range(len(effects)), key=effects.__getitem__)
-    return effects[least], least
-
-
 # --------------------------------------------------------------------------------------------- hyper-connections
 
 
@@ -168,7 +153,7 @@ def test_full_model_logits_match_oracle(native, preset):
         got = model(ids)
     assert got.shape == ref.shape and got.dtype == torch.float32, f"{preset}: logits {got.shape} {got.dtype}"
     tolerance = ah.ulp_tolerance(torch.float32, ulps=LOGIT_ULPS, scale=ah.max_abs(ref))
-    effect, layer = _least_layer_effect(hf, ids, ref)
+    effect, layer = ah.least_layer_effect(hf, ids, ref)
     ah.assert_effect_exceeds(
         effect, tolerance, factor=EFFECT_FACTOR, what=f"layer {layer}'s attention output", context=preset
     )

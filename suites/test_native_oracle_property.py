@@ -53,21 +53,6 @@ ROUNDING_OUTLIER = V4Spec(
 )
 
 
-def _least_layer_effect(oracle, ids: torch.Tensor, want: torch.Tensor) -> tuple[float, int]:
-    """max |Δ logits| when one layer's attention output projection is zeroed, least over the layers (the oracle's
-    weights are restored exactly after each)."""
-    effects = []
-    with torch.no_grad():
-        for layer in oracle.model.layers:
-            weight = layer.self_attn.o_b_proj.weight
-            saved = weight.clone()
-            weight.zero_()
-            effects.append(ah.max_abs(oracle(ids).logits.float() - want))
-            weight.copy_(saved)
-    least = min(range(len(effects)), key=effects.__getitem__)
-    return effects[least], least
-
-
 @settings(max_examples=max(2, settings.default.max_examples // 5))
 @given(spec=v4_configs())
 @example(spec=ROUNDING_OUTLIER)
@@ -99,7 +84,7 @@ def test_generated_configs_loaded_through_the_bridge_match_transformers(impl, sp
             want = oracle(ids).logits.float()
             got = model(ids)
     tolerance = ah.ulp_tolerance(torch.float32, ulps=LOGIT_ULPS, scale=ah.max_abs(want))
-    effect, layer = _least_layer_effect(oracle, ids, want)
+    effect, layer = ah.least_layer_effect(oracle, ids, want)
     ah.assert_effect_exceeds(
         effect, tolerance, factor=EFFECT_FACTOR, what=f"layer {layer}'s attention output", context=f"spec={spec}"
     )
