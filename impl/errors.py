@@ -4,9 +4,6 @@ checks it) and re-exported by the module that raises it. Every error this packag
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 __all__ = [
     "AdapterGatherError",
     "AdapterImportError",
@@ -220,21 +217,3 @@ class MappingTableError(Dsv4Error, ValueError):
 
 class ProviderDispatchError(Dsv4Error, LookupError):
     """Megatron-Bridge's provider dispatch sends DeepSeek-V4 to another bridge on this pin (named, with why)."""
-
-
-class LaunchError(Dsv4Error, RuntimeError):
-    """One or more ranks failed or did not finish; the message is the per-rank report (``results``: every rank's
-    result, ``root_cause``: the first failure's, as the launcher found them)."""
-
-    def __init__(self, report: str, *, results: Sequence[Any], root_cause: Any = None):
-        super().__init__(report)
-        self.results = list(results)
-        self.root_cause = root_cause
-
-
-class RanksDisagree(Dsv4Error, RuntimeError):
-    """The ranks of a launched world are not about to run the same thing (function, case or caller's label)."""
-
-
-class BackendMismatch(Dsv4Error, RuntimeError):
-    """The call asks for one backend (NCCL for a GPU run) but this rank's default process group has another."""

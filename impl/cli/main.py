@@ -14,6 +14,7 @@ from impl.cli.consumer_check import add_consumer_arguments, add_export_parser
 from impl.cli.convert import add_convert_parser
 from impl.errors import Dsv4Error, OutputPathError, UsageError
 from impl.lora.vocabulary import TARGET_TABLE, TargetTable
+from launcher.errors import LauncherError
 
 __all__ = [
     "build_parser",
@@ -383,7 +384,7 @@ def _run_command(args: argparse.Namespace) -> int:
     except UsageError as exc:
         output.problem(f"dsv4-lora {args.command}: error: {exc}")
         return EXIT_USAGE
-    except Dsv4Error as exc:
+    except (Dsv4Error, LauncherError) as exc:
         return _print_problems([f"{exc} ({type(exc).__name__})"])
     except OSError as exc:  # a file a command reads or writes; the OS names it
         where = f"{exc.filename}: " if exc.filename else ""

@@ -10,7 +10,7 @@ and to the terminal), so C++ code, the rank processes and any other child, which
 there as well. ``sys.stdout`` becomes a stream on a duplicate of the terminal (copied into the log), so a command's
 own ``print`` still reaches the person; ``sys.stderr`` stays on descriptor 2: Python warnings and logging go to the
 log. Problem lines go through :meth:`Console.problem`. A rank sends its progress lines to the launcher over its pipe
-(:func:`forward_to`), which prints them: the rank's own descriptors point at the log.
+(``launcher.progress``), which shows them here: the rank's own descriptors point at the log.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from launcher import progress
+
 __all__ = [
     "LOG_NAME",
     "Console",
     "Progress",
     "declare_steps",
     "default_log_path",
-    "forward_to",
     "problem",
     "say",
     "show",
@@ -236,14 +237,6 @@ class Progress:
 
 
 _ACTIVE: list[Console] = []  # the console of the command running in this process, if any
-_FORWARD: list[Callable[[tuple[str, Any]], None]] = []  # in a rank: send a message to the launcher
-
-
-def forward_to(send: Callable[[tuple[str, Any]], None] | None) -> None:
-    """In a rank process: send :func:`say` and :func:`step` lines to the launcher (``None``: stop)."""
-    _FORWARD.clear()
-    if send is not None:
-        _FORWARD.append(send)
 
 
 def declare_steps(total: int) -> None:
@@ -262,8 +255,9 @@ def problem(line: str) -> None:
 
 def say(line: str) -> None:
     """Print one of the command's own lines on the person's terminal, from the command or from a rank."""
-    if _FORWARD:
-        _FORWARD[0](("say", line))
+    send = progress.forwarding()
+    if send is not None:
+        send(("say", line))
     elif _ACTIVE:
         _ACTIVE[-1].say(line)
     else:
@@ -272,17 +266,21 @@ def say(line: str) -> None:
 
 def step(what: str, seconds: float) -> None:
     """Report a finished step and its time; numbered when the running command declared its steps."""
-    if _FORWARD:
-        _FORWARD[0](("step", (what, seconds)))
+    send = progress.forwarding()
+    if send is not None:
+        send(("step", (what, seconds)))
         return
-    progress = _ACTIVE[-1].progress if _ACTIVE else None
-    say(progress.line(what, seconds) if progress else f"  {what} ... {seconds:.1f}s")
+    steps = _ACTIVE[-1].progress if _ACTIVE else None
+    say(steps.line(what, seconds) if steps else f"  {what} ... {seconds:.1f}s")
 
 
 def show(message: tuple[str, Any]) -> None:
-    """The launcher's side of :func:`forward_to`: show a message a rank sent."""
+    """Show a progress message a rank sent the launcher (``launcher.progress``) as this command's own line."""
     kind, value = message
     if kind == "step":
         step(*value)
     else:
         say(value)
+
+
+progress.display_with(show)

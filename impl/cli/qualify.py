@@ -91,7 +91,7 @@ class DefaultBase:
     path: str
 
     def __call__(self) -> None:
-        from impl.cli.launch import launched_world
+        from launcher.launch import launched_world
 
         world = launched_world()
         if world is None or world.rank == 0:
@@ -171,9 +171,9 @@ def base_checks(base: Path) -> list[Check]:
 def run_qualify(opts: QualifyOptions, *, nproc: int, default_base: DefaultBase | None = None) -> list[Check]:
     """Every check, in order (rank 0's, and what failed on other ranks). ``default_base``: rank 0 writes the
     embedded base into ``opts.base`` while the ranks start up."""
-    from impl.cli.launch import run_on_ranks
     from impl.cli.qualify_rank import preload, qualify_rank
     from impl.conversion.base_dir import inspect_base
+    from launcher.launch import run_on_ranks
 
     if default_base is None:  # a given base: name what is wrong with it before any rank starts (headers only)
         checks = _header_checks(inspect_base(opts.base))

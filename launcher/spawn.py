@@ -1,5 +1,5 @@
 """Spawn ``nproc`` gloo ranks for one function, rendezvous them, and reap every one: the process mechanics of
-:func:`impl.cli.launch.launch_ranks`.
+:func:`launcher.launch.launch_ranks`.
 
 The calling process is a dispatcher, never a rank. For one call::
 
@@ -14,7 +14,7 @@ The calling process is a dispatcher, never a rank. For one call::
     all ready -> before_go() (the caller's),
     then "go" to every rank  ---------------->   init_process_group(gloo|nccl, file://, timeout=timeout_s/2), barrier
                                                  payload = fn(rank, world_size, case)
-    impl.cli.output shows them  <-----------    ("say", line) / ("step", (what, seconds)): fn's progress lines
+    progress.show shows them  <-------------    ("say", line) / ("step", (what, seconds)): fn's progress lines
                            <-------------------  ("result", RankResult)   (also when fn raised anything)
                                                  destroy_process_group() (success only), os._exit
 
@@ -46,8 +46,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from impl.cli import output
-from impl.cli.rank_report import EXITED, NOT_STARTED, SIGNALLED, TERMINATED, TIMEOUT, RankResult
+from launcher import progress
+from launcher.rank_report import EXITED, NOT_STARTED, SIGNALLED, TERMINATED, TIMEOUT, RankResult
 
 __all__ = [
     "START_METHODS",
@@ -191,7 +191,7 @@ def _rank_main(spec: _RankSpec, conn: Connection) -> None:
         if conn.recv() != "go":
             os._exit(1)
         started = True
-        output.forward_to(conn.send)  # the rank's descriptors may point at a log: progress lines go to the launcher
+        progress.forward_to(conn.send)  # the rank's descriptors may point at a log: progress lines go to the launcher
         _join_world(spec)
         result = RankResult(rank=spec.rank, ok=True, payload=fn(spec.rank, spec.world_size, case), pid=os.getpid())
     except EOFError:  # the parent closed the pipe: it is tearing the run down
@@ -202,7 +202,7 @@ def _rank_main(spec: _RankSpec, conn: Connection) -> None:
         conn.send(("result", result))
     except Exception as exc:  # an unpicklable payload is fn's bug: report it as this rank's failure
         conn.send(("result", RankResult.from_exception(spec.rank, exc)))
-    output.forward_to(None)
+    progress.forward_to(None)
     conn.close()
     if result.ok and started:
         try:
@@ -251,7 +251,7 @@ class _Rank:
             self.result = value
             self.close()
         else:
-            output.show((kind, value))
+            progress.show((kind, value))
 
     def close(self) -> None:
         if self.conn is not None:
