@@ -1,4 +1,4 @@
-"""Prove the suite's power: apply each seeded mutation of fixtures/mutations/__init__.py to a fresh copy of the implementation
+"""Prove the suite's power: apply each seeded mutation of fixtures/mutations/catalogue/ to a fresh copy of the implementation
 and check that the tests named for it fail.
 
     .venv/bin/python scripts/mutation_check.py [--only NAME[,NAME...]] [--jobs N] [--timeout S] [--keep]
