@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import config_attention_shapes, make_native_adapter
 from fixtures.runner.subproc import run
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
@@ -44,9 +44,7 @@ def base(tmp_path_factory) -> Path:
 def export(impl, base, tmp_path_factory):
     """Export the given targets in a dialect against the tiny base (fingerprinted): the adapter's directory."""
     cfg = get_preset("tiny-mixed")
-    shapes = attention_shapes(
-        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-    )
+    shapes = config_attention_shapes(cfg)
     layers = cfg.num_hidden_layers
     names = [f"layers.{i}.attn.{leaf}.weight" for i in range(layers) for leaf in shapes]
     fingerprint = impl.base_fingerprint(base, names)

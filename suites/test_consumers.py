@@ -202,13 +202,11 @@ def test_exporting_for_an_engine_refuses_exactly_the_targets_it_would_not_apply(
     """The fail-closed export follows the engines: for every (engine, dialect, target) the engine judged, an export
     of that one target for that engine succeeds when the engine applies it (and accepts the adapter), and raises
     ConsumerSupportError naming the target otherwise."""
-    from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+    from fixtures.data.adapter_states import config_attention_shapes, make_native_adapter
     from tiny_models.presets import get_preset
 
     cfg = get_preset("tiny-mixed")
-    shapes = attention_shapes(
-        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-    )
+    shapes = config_attention_shapes(cfg)
     wrong = []
     found = [c for name in sorted(probed) for c in probed[name][1]]
     whole = {(c.consumer, c.dialect): c.status for c in found if c.target == WHOLE_ROW}

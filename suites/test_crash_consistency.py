@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import config_attention_shapes, make_native_adapter
 from fixtures.data.crash_states import MODELS, ModelReport, explore
 from fixtures.data.fs_model import snapshot
 from fixtures.data.syscall_trace import STRACE, record
@@ -48,9 +48,7 @@ class Scenario:
         self.impl = impl
         self.base = write_checkpoint(PRESET, tmp / "base", seed=2)
         cfg = get_preset(PRESET)
-        self.shapes = attention_shapes(
-            cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-        )
+        self.shapes = config_attention_shapes(cfg)
         self.layers = cfg.num_hidden_layers
         names = [f"layers.{i}.attn.{leaf}.weight" for i in range(self.layers) for leaf in self.shapes]
         self.fingerprint = impl.base_fingerprint(self.base, names)

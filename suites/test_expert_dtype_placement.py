@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import config_attention_shapes, make_native_adapter
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
@@ -43,9 +43,7 @@ def bases(impl, tmp_path_factory):
     nested = _with_config(on_top, root / "nested", _nested)
     other = _with_config(on_top, root / "other", lambda c: c.update(expert_dtype="bf16"))
     cfg = get_preset(PRESET)
-    shapes = attention_shapes(
-        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-    )
+    shapes = config_attention_shapes(cfg)
     names = [f"layers.{i}.attn.{leaf}.weight" for i in range(cfg.num_hidden_layers) for leaf in shapes]
     state = impl.AdapterState(make_native_adapter(shapes, cfg.num_hidden_layers, 4, seed=5), r=4, alpha=8.0)
     adapter = root / "adapter"

@@ -16,7 +16,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
+from fixtures.data.adapter_states import config_attention_shapes, make_native_adapter, snapshot_tree
 from tiny_models.presets import get_preset
 
 pytestmark = pytest.mark.cpu
@@ -28,9 +28,7 @@ ALL = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 
 def _state(impl, targets=ALL, *, mtp=False):
     cfg = get_preset("tiny-mixed")
-    shapes = attention_shapes(
-        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-    )
+    shapes = config_attention_shapes(cfg)
     chosen = {t: shapes[t] for t in targets}
     return impl.AdapterState(make_native_adapter(chosen, cfg.num_hidden_layers, R, mtp=mtp), r=R, alpha=ALPHA)
 

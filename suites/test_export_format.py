@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fixtures.asserts as ah
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import config_attention_shapes, make_native_adapter
 
 pytestmark = pytest.mark.cpu
 
@@ -43,9 +43,7 @@ def tiny():
 
 
 def _shapes(cfg):
-    return attention_shapes(
-        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-    )
+    return config_attention_shapes(cfg)
 
 
 def _native(cfg, leaves, seed=0):

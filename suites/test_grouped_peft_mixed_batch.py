@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter
+from fixtures.data.adapter_states import config_attention_shapes, make_native_adapter
 
 pytestmark = pytest.mark.cpu
 
@@ -28,9 +28,7 @@ def grouped_adapter_model(impl, tmp_path_factory):
     assert cfg.o_groups > 1, "the preset must have several output groups for o_a_proj to be grouped"
     torch.manual_seed(0)
     model = DeepseekV4ForCausalLM(cfg).eval().float()
-    shapes = attention_shapes(
-        cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-    )
+    shapes = config_attention_shapes(cfg)
     native = make_native_adapter({"wo_a": shapes["wo_a"]}, cfg.num_hidden_layers, R, seed=3, b_scale=0.5)
     out = tmp_path_factory.mktemp("grouped") / "adapter"
     impl.export_adapter(impl.AdapterState(native, r=R, alpha=ALPHA), out)
