@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, Phase, settings
 from fixtures.contract.capabilities import skip_undeclared
 from fixtures.runner.impl_loader import load_impl, resolve_impl_name
 from fixtures.runner.pins import PIN_INDEPENDENT
+from fixtures.runner.xfails import read_xfail_lines
 
 pytest_plugins = [
     "fixtures.data.tiny_checkpoint_cache",
@@ -214,21 +215,10 @@ def _uses_transformers(path: str) -> bool:
 
 def _read_xfails_file(config: pytest.Config, path: str) -> list[tuple[str, type[BaseException], str]]:
     """``(node-id prefix, expected exception type, reason)`` per entry line of an xfails file."""
-    reason, entries = "listed in " + path, []
-    with open(path) as fh:
-        for number, line in enumerate(fh, start=1):
-            line = line.strip()
-            if line.startswith("# reason:"):
-                reason = line.removeprefix("# reason:").strip()
-            elif line and not line.startswith("#"):
-                fields = line.rsplit(None, 1)
-                if len(fields) != 2:
-                    raise pytest.UsageError(
-                        f"{path}:{number}: '{line}' names no expected exception; write '<node-id prefix> <exception>'"
-                    )
-                prefix, name = fields
-                entries.append((prefix, _exception_type(config, name, f"{path}:{number}"), f"{reason} ({name})"))
-    return entries
+    return [
+        (line.prefix, _exception_type(config, line.exception, line.where), f"{line.reason} ({line.exception})")
+        for line in read_xfail_lines(path)
+    ]
 
 
 def _exception_type(config: pytest.Config, name: str, where: str) -> type[BaseException]:

@@ -16,22 +16,19 @@ from fixtures.contract.capabilities import (
     capability_of,
     render_capabilities,
     skip_undeclared,
+    suite_files,
 )
 from fixtures.runner.subproc import REPO_ROOT, pytest_outcomes, run
 
 pytestmark = pytest.mark.cpu
 
 
-def _suite_files() -> list[str]:
-    return sorted(p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "suites").rglob("test_*.py"))
-
-
 def _rows_holding(path: str) -> list[str]:
-    return [c.name for c in CAPABILITIES if any(path == f or (f.endswith("/") and path.startswith(f)) for f in c.files)]
+    return [c.name for c in CAPABILITIES if c.holds(path)]
 
 
 def test_every_suite_file_is_in_exactly_one_capability():
-    wrong = {path: rows for path in _suite_files() if len(rows := _rows_holding(path)) != 1}
+    wrong = {path: rows for path in suite_files() if len(rows := _rows_holding(path)) != 1}
     assert not wrong, "suite files in no capability or in several (fixtures/contract/capabilities.py): " + repr(wrong)
 
 
