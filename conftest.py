@@ -59,8 +59,9 @@ settings.register_profile(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-# a conformance report's run (fixtures/contract/conformance.py): as ci, without shrinking: a report names which
-# exceptions a property test meets, not the smallest example of each, and shrinking is most of such a run's time
+# a conformance report's run (fixtures/contract/conformance.py): as ci, without shrinking and with fewer examples: a
+# report names the exception a property test meets first, not the smallest example of each, and shrinking is most of
+# such a run's time
 settings.register_profile(
     "report", settings.get_profile("ci"), phases=(Phase.explicit, Phase.reuse, Phase.generate), max_examples=10
 )

@@ -25,7 +25,8 @@ def main() -> int:
     contract = CONTRACT_DOC.apply(
         render_contract(contract_names(), optional_names()), write=args.write, check=args.check
     )
-    return contract or CAPABILITY_DOC.apply(render_capabilities(), write=args.write, check=args.check)
+    capabilities = CAPABILITY_DOC.apply(render_capabilities(), write=args.write, check=args.check)
+    return max(contract, capabilities)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Known gaps are ``xfails.txt`` next to this file; the report is docs/conformance/
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import impl
@@ -38,7 +38,7 @@ class BridgeLoraHandle:
     """What Bridge's ``LoRA`` recorded: the object itself and the parameters it would save."""
 
     lora: Any
-    params_to_save: set[str] = field(default_factory=set)
+    params_to_save: set[str]
 
 
 def apply_lora(
@@ -70,4 +70,4 @@ def apply_lora(
     )
     for chunk in model_chunks:
         lora(chunk, training=True)
-    return BridgeLoraHandle(lora, set(getattr(lora, "params_to_save", set())))
+    return BridgeLoraHandle(lora, set(lora.params_to_save))
