@@ -12,19 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-__all__ = ["Agreed", "StatusExchange", "join_failures"]
-
-
-class Agreed(NamedTuple):
-    """One phase run on this rank and agreed: its result here, every rank's failures, this rank's own exception."""
-
-    result: Any
-    failures: list[str]
-    cause: BaseException | None
+__all__ = ["StatusExchange", "join_failures"]
 
 
 def topic_name(prefix: str) -> str:
@@ -83,14 +75,19 @@ class StatusExchange:
         except Exception:  # the store itself is gone: the rank hosting it (rank 0 by default) died
             return [f"rank 0: no response within {self.timeout_s:g}s in phase {phase} (store host dead or hung)"]
 
-    def run(self, phase: str, fn: Callable[[], Any]) -> Agreed:
-        """Run ``fn`` on this rank, then :meth:`agree` on the outcome (the caller raises its own error on failures)."""
+    def run(self, phase: str, fn: Callable[[], Any], error: Callable[[str], Exception]) -> Any:
+        """Run ``fn`` on this rank, then :meth:`agree` on the outcome; ``fn``'s result, or on any rank's failure the
+        caller's ``error(every rank's failures in one line)`` raised on every rank alike (chained to this rank's
+        own exception, if it had one)."""
         result, status, cause = None, "", None
         try:
             result = fn()
-        except Exception as exc:  # agreed across ranks, then raised identically everywhere by the caller
+        except Exception as exc:  # agreed across ranks, then raised identically everywhere
             status, cause = f"{type(exc).__name__}: {exc}", exc
-        return Agreed(result, self.agree(phase, status), cause)
+        failures = self.agree(phase, status)
+        if failures:
+            raise error(join_failures(failures)) from cause
+        return result
 
     def _missing(self, keys: list[str]) -> set[int]:
         """Wait until every rank has posted or the deadline passed; the ranks that never posted."""

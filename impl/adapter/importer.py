@@ -27,7 +27,7 @@ from torch import nn
 
 from impl.adapter.build import AdapterState
 from impl.adapter.dialects import PEFT_PREFIX, native_name, resolve_module
-from impl.adapter.exchange import StatusExchange, join_failures
+from impl.adapter.exchange import StatusExchange
 from impl.adapter.files import ADAPTER_FILE
 from impl.adapter.scatter import load_full, model_adapter_names, scatter_problems
 from impl.adapter.validation import lora_scale, validate_adapter_dir
@@ -95,11 +95,10 @@ def import_adapter(
             raise AdapterImportError("; ".join(problems))
         return state
 
-    agreed = ex.run("check", check)
-    if agreed.failures:
-        raise AdapterImportError(
-            f"import of {path} refused: {join_failures(agreed.failures)}. No parameter was changed."
-        ) from agreed.cause
-    state = agreed.result
+    state = ex.run(
+        "check",
+        check,
+        lambda failures: AdapterImportError(f"import of {path} refused: {failures}. No parameter was changed."),
+    )
     load_full(chunks, state.tensors)
     return state

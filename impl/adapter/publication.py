@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from impl.adapter.build import AdapterState, NonFiniteAdapterError, all_finite, publish_in_memory, raw_bytes
-from impl.adapter.exchange import StatusExchange, join_failures
+from impl.adapter.exchange import StatusExchange
 from impl.errors import PublicationError
 
 __all__ = [
@@ -110,10 +110,11 @@ class AdapterPublisher:
 
 def _agreed(ex: StatusExchange, phase: str, run: Callable[[], Any], version: int) -> Any:
     """``run()`` on this rank, then the ranks agree; the same :class:`PublicationError` everywhere on a failure."""
-    agreed = ex.run(phase, run)
-    if agreed.failures:
-        raise PublicationError(
-            f"publication of version {version + 1} failed in phase {phase}: {join_failures(agreed.failures)}. "
+    return ex.run(
+        phase,
+        run,
+        lambda failures: PublicationError(
+            f"publication of version {version + 1} failed in phase {phase}: {failures}. "
             f"Nothing was published; version {version} stays current."
-        ) from agreed.cause
-    return agreed.result
+        ),
+    )

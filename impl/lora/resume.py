@@ -31,7 +31,7 @@ from safetensors.torch import load
 from torch import nn
 
 from impl.adapter.build import all_finite
-from impl.adapter.exchange import StatusExchange, join_failures
+from impl.adapter.exchange import StatusExchange
 from impl.adapter.files import COMPLETE_MARKER
 from impl.adapter.fingerprint import FingerprintMismatchError, verify_fingerprint
 from impl.adapter.scatter import load_full, model_adapter_names, scatter_problems
@@ -264,13 +264,13 @@ def resume_training(
             raise TrainingCheckpointError(f"{path} cannot be resumed into this run: " + "; ".join(problems))
         return ckpt, slots
 
-    agreed = ex.run("check", check)
-    if agreed.failures:
-        raise TrainingCheckpointError(
-            f"resume from {path} refused: {join_failures(agreed.failures)}. Nothing was restored; the run has not "
-            "started."
-        ) from agreed.cause
-    ckpt, slots = agreed.result
+    ckpt, slots = ex.run(
+        "check",
+        check,
+        lambda failures: TrainingCheckpointError(
+            f"resume from {path} refused: {failures}. Nothing was restored; the run has not started."
+        ),
+    )
     load_full(chunks, ckpt.adapter)
     _restore_optimizer(chunks, ckpt, slots)
     saved, layout = dict(ckpt.state["layout"]), current_layout()

@@ -37,7 +37,7 @@ from safetensors.torch import save
 from torch import nn
 
 from impl.adapter.build import AdapterState, BuildOptions, all_finite, with_base_fingerprint
-from impl.adapter.exchange import StatusExchange, join_failures
+from impl.adapter.exchange import StatusExchange
 from impl.adapter.files import publish_files
 from impl.adapter.gather import adapter_parameters, gather_full, merge_stages
 
@@ -206,13 +206,13 @@ def _trainer_state(payload: _Payload, step: int, lora: Any, base: Any, extra: Ma
 
 def _run_phase(ex: StatusExchange, name: str, out: Path, run: Callable[[], Any]) -> Any:
     """Run ``run`` on this rank, then agree with every rank; the same error everywhere on any failure."""
-    agreed = ex.run(name, run)
-    if agreed.failures:
-        raise TrainingCheckpointError(
-            f"training checkpoint to {out} failed in phase {name}: {join_failures(agreed.failures)}. Nothing was "
-            f"written; {out} is as it was."
-        ) from agreed.cause
-    return agreed.result
+    return ex.run(
+        name,
+        run,
+        lambda failures: TrainingCheckpointError(
+            f"training checkpoint to {out} failed in phase {name}: {failures}. Nothing was written; {out} is as it was."
+        ),
+    )
 
 
 def save_training_checkpoint(
