@@ -19,13 +19,19 @@ from impl.errors import TransformerEngineStubError
 STUB_VERSION = "0.0.0"
 
 
+def _placeholder_attribute(owner: object, qualname: str, attr: str) -> type:
+    """A missing attribute of a stub module or class: a placeholder class, remembered on ``owner``; dunders stay
+    missing (``hasattr(x, "__wrapped__")`` and friends must answer False)."""
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    value = _placeholder(f"{qualname}.{attr}")
+    setattr(owner, attr, value)
+    return value
+
+
 class _PlaceholderMeta(type):
     def __getattr__(cls, attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        value = _placeholder(f"{cls.__module__}.{cls.__qualname__}.{attr}")
-        setattr(cls, attr, value)
-        return value
+        return _placeholder_attribute(cls, f"{cls.__module__}.{cls.__qualname__}", attr)
 
     def __call__(cls, *args, **kwargs):
         raise TransformerEngineStubError(
@@ -43,11 +49,7 @@ class _StubModule(types.ModuleType):
     __te_stub__ = True
 
     def __getattr__(self, attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        value = _placeholder(f"{self.__name__}.{attr}")
-        setattr(self, attr, value)
-        return value
+        return _placeholder_attribute(self, self.__name__, attr)
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

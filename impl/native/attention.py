@@ -15,6 +15,8 @@ summed over ranks.
 
 from __future__ import annotations
 
+from functools import partial
+
 import impl.compat.active  # noqa: F401  (the CPU compat layer must precede every megatron import)
 from impl.errors import AttentionInputError
 
@@ -131,28 +133,21 @@ class DeepseekV4Attention(MegatronModule):
 
         d, q_rank, hd = config.hidden_size, config.q_lora_rank, config.head_dim
         mp = self.config
+        # wq_b (by heads) and wo_a (by output groups) split their outputs over TP alike
+        column = partial(
+            tensor_parallel.ColumnParallelLinear,
+            config=mp,
+            init_method=normal_init(init_std),
+            bias=False,
+            gather_output=False,
+            tp_group=tp_group,
+        )
         self.wq_a = ReplicatedLinear(d, q_rank, params_dtype=params_dtype, init_std=init_std)
         self.q_norm = RMSNorm(q_rank, self.eps, params_dtype=params_dtype)
-        self.wq_b = tensor_parallel.ColumnParallelLinear(
-            q_rank,
-            heads * hd,
-            config=mp,
-            init_method=normal_init(init_std),
-            bias=False,
-            gather_output=False,
-            tp_group=tp_group,
-        )
+        self.wq_b = column(q_rank, heads * hd)
         self.wkv = ReplicatedLinear(d, hd, params_dtype=params_dtype, init_std=init_std)
         self.kv_norm = RMSNorm(hd, self.eps, params_dtype=params_dtype)
-        self.wo_a = tensor_parallel.ColumnParallelLinear(
-            heads * hd // groups,
-            groups * config.o_lora_rank,
-            config=mp,
-            init_method=normal_init(init_std),
-            bias=False,
-            gather_output=False,
-            tp_group=tp_group,
-        )
+        self.wo_a = column(heads * hd // groups, groups * config.o_lora_rank)
         self.wo_b = tensor_parallel.RowParallelLinear(
             groups * config.o_lora_rank,
             d,
