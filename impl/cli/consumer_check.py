@@ -31,6 +31,7 @@ from impl.adapter.consumers import (
 from impl.adapter.dialects import PEFT_PREFIX, resolve_module
 from impl.adapter.kinds import place_module
 from impl.cli import output
+from impl.cli.command_text import add_command
 from impl.errors import Dsv4Error, ExportError
 
 #: the ``--consumer`` names shown in ``--help`` (each engine of the table is accepted too, e.g. ``vllm/cpu``)
@@ -190,16 +191,7 @@ def _metadata(adapter: Path) -> dict[str, str]:
 
 def add_export_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     """Register ``dsv4-lora export`` (``parents``: the options every command shares)."""
-    e = sub.add_parser(
-        "export",
-        parents=parents,
-        help="re-publish an existing adapter for a consumer (vllm, sglang, peft), failing closed",
-        description="Reads an adapter (any dialect), renames it into the consumer's dialect and publishes it "
-        "with the fail-closed export (.complete last). If the consumer would not apply, would skip or would "
-        "misroute a target (impl.CONSUMER_RULES), nothing is written and the command exits 1 naming consumer, "
-        "version, target and why; --allow-unapplied exports anyway and records them in the safetensors "
-        "metadata dsv4_consumer.",
-    )
+    e = add_command(sub, "export", parents)
     e.add_argument("--adapter", required=True, help="source PEFT adapter directory")
     e.add_argument("--out", required=True, help="destination directory (replaced atomically)")
     add_consumer_arguments(e, export=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from impl.cli import output
+from impl.cli.command_text import add_command
 from impl.errors import ConfigFileError, Dsv4Error, PickleAdapterError
 
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt")
@@ -134,14 +135,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def add_convert_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     """Register ``dsv4-lora convert-adapter``."""
-    c = sub.add_parser(
-        "convert-adapter",
-        parents=parents,
-        help="convert a pickled PEFT adapter (adapter_model.bin / .pt) to safetensors",
-        description="Loads the pickle with torch.load(weights_only=True), refuses anything but a flat dict of "
-        "tensors, and publishes adapter_model.safetensors with the unchanged adapter_config.json atomically "
-        "(fail-closed, .complete last). Nothing else ever unpickles an adapter.",
-    )
+    c = add_command(sub, "convert-adapter", parents)
     c.add_argument(
         "--adapter",
         required=True,

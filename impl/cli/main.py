@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from impl.cli import output
+from impl.cli.command_text import add_command
 from impl.cli.consumer_check import add_consumer_arguments, add_export_parser
 from impl.cli.convert import add_convert_parser
 from impl.errors import Dsv4Error, OutputPathError, UsageError
@@ -102,21 +103,14 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         base = str(out / "base")
         default_base = DefaultBase(args.preset, args.seed, base)
         print(f"the embedded default base (deterministic tiny V4, preset {args.preset}) goes to {base}")
+    passed_through = ("rank", "alpha", "tp", "ep", "pp", "dialect", "steps", "seed", "dtype")  # option = field
     opts = QualifyOptions(
         base=str(Path(base).resolve()),
         out=str(out),
         targets=targets,
-        rank=args.rank,
-        alpha=args.alpha,
-        tp=args.tp,
-        ep=args.ep,
-        pp=args.pp,
-        dialect=args.dialect,
-        steps=args.steps,
-        seed=args.seed,
         timeout_s=args.timeout,
         oracle=not args.no_oracle,
-        dtype=args.dtype,
+        **{name: getattr(args, name) for name in passed_through},
     )
     print(f"qualify: base={opts.base} tp={opts.tp} ep={opts.ep} pp={opts.pp} ranks={nproc} targets={','.join(targets)}")
     t0 = time.perf_counter()
@@ -244,13 +238,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     common = _output_options()
 
-    q = sub.add_parser(
-        "qualify",
-        parents=[common],
-        help="run the whole contract on a base (default: an embedded tiny V4 base)",
-        description="Detection, strict base load (coverage), LoRA before DDP, training steps, adapter-only "
-        "export, PEFT reload on transformers, logits comparison. Exits 1 if any check fails.",
-    )
+    q = add_command(sub, "qualify", [common])
     q.add_argument("--base", help="official-layout checkpoint directory (default: write a tiny base into --out)")
     q.add_argument(
         "--preset", default=DEFAULT_PRESET, help=f"tiny preset for the default base (default: {DEFAULT_PRESET})"
@@ -291,16 +279,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
 
 
 def _add_verify_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    v = sub.add_parser(
-        "verify-adapter",
-        parents=[common],
-        help="check an existing PEFT adapter against a base without loading full weights",
-        description="Reads safetensors headers and configs only (works on a full-size base): names resolve to "
-        "base modules (each non-main-attention module reported by kind, with what each consumer does there), "
-        "only the configured modules, shapes agree, rank/alpha consistent, finite values; a fingerprint or "
-        ".complete that is present must match. Without them the adapter is UNCERTIFIED (exit 0 unless "
-        "--require-certified).",
-    )
+    v = add_command(sub, "verify-adapter", [common])
     v.add_argument("--base", required=True, help="base checkpoint directory")
     v.add_argument("--adapter", required=True, help="PEFT adapter directory")
     v.add_argument("--forward", action="store_true", help="also run the tiny logits check (small bases only)")
@@ -320,13 +299,7 @@ def _add_verify_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_coverage_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    c = sub.add_parser(
-        "coverage",
-        parents=[common],
-        help="mapping coverage of a checkpoint or manifest",
-        description="For each tensor: the native name and parallel semantics it maps to; totals of mapped, "
-        "declared-not-loaded, unmapped and missing. Exit 1 if anything is unmapped or missing.",
-    )
+    c = add_command(sub, "coverage", [common])
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--base", help="checkpoint directory")
     src.add_argument("--manifest", help="flash, pro, or a tiny preset name")
