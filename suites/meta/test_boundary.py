@@ -440,4 +440,16 @@ def test_a_mutation_reaches_only_the_copy(tmp_path):
     copy = copy_implementation(tmp_path, mutation=TextMutation("errors.py", "class Dsv4Error(", "class Dsv4Mutant("))
     assert "class Dsv4Mutant(" in (copy.package_dir / "errors.py").read_text()
     assert "class Dsv4Error(" in (REPO_ROOT / "impl" / "errors.py").read_text()
-    assert {p.suffix for p in copy.package_dir.rglob("*") if p.is_file()} == {".py"}
+
+
+def test_the_copy_carries_every_module_and_data_file_and_no_cache(tmp_path):
+    """A mutant must read the same tables and texts (``*.toml``) as the implementation, or every test of a
+    command would fail on the copy for a reason no mutation made."""
+
+    def files(root):
+        return {p.relative_to(root) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+    copy = copy_implementation(tmp_path)
+    source = files(REPO_ROOT / "impl")
+    assert any(p.suffix == ".toml" for p in source), "impl/ has no data file: this test proves nothing"
+    assert files(copy.package_dir) == {p for p in source if p.suffix not in (".pyc", ".pyo")}
