@@ -23,8 +23,9 @@ semantics                     Megatron-Bridge class        meaning
 ``expert_row``                ``RowParallelMapping``       ``w2`` per expert (expert-TP), EP-gathered
 ============================  ===========================  =================================================
 
-The rows are :data:`_LAYER_TEMPLATE` (one :class:`LayerRow` per decoder-layer family, prefixed for the decoder
-and the MTP layer) and the few model-level rows of :func:`_build_table`. Each row also carries its ``upstream``
+The rows are data, in ``mapping_table.toml`` beside this module: the model-level ``[[model]]`` rows, one
+``[[layer]]`` (a :class:`LayerRow`) per decoder-layer family, prefixed for the decoder and, where ``in_mtp``, for the
+MTP layer by :func:`_build_table`, and the MTP layer's own ``[[mtp]]`` rows. Each row also carries its ``upstream``
 name(s): upstream Megatron-Core's ``dsv4_hybrid`` graph, the layout Megatron-Bridge's ``DeepSeekV4Bridge`` maps onto
 (names only: the semantics describe the Miles graph, the one this implementation builds). ``dsv4-lora coverage
 --manifest flash`` prints every official name with the native name and semantics it maps to.
@@ -32,8 +33,10 @@ name(s): upstream Megatron-Core's ``dsv4_hybrid`` graph, the layout Megatron-Bri
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from impl.errors import MappingTableError
@@ -116,29 +119,6 @@ class MappingRow:
         return dict(zip(GATED_ROLES, self.official, strict=True)) if self.is_gated else self.official
 
 
-# Upstream Megatron-Core names (the ``dsv4_hybrid`` layout Megatron-Bridge's DeepSeekV4Bridge maps onto) where they
-# differ from the Miles ones: attention projections get MLA names, CSA parts live under ``core_attention``,
-# hyper-connections are modules, routed experts are one grouped GEMM per layer (``weight<E>``, global E).
-_HC_MODULE = {"attn": "self_attention_hyper_connection", "ffn": "mlp_hyper_connection"}
-_HC_PARAM = {"fn": "mapping_proj.weight", "base": "bias", "scale": ("alpha_pre", "alpha_post", "alpha_res")}
-_CSA_PARAM = {
-    "ape": "ape",
-    "wkv.weight": "linear_wkv.weight",
-    "wgate.weight": "linear_wgate.weight",
-    "norm.weight": "norm.weight",
-}
-
-
-def _hc_upstream(site: str, p: str) -> str | tuple[str, ...]:
-    param = _HC_PARAM[p]
-    parts = param if isinstance(param, tuple) else (param,)
-    names = tuple(f"{_HC_MODULE[site]}.{x}" for x in parts)
-    return names if isinstance(param, tuple) else names[0]
-
-
-_CORE = "self_attention.core_attention"
-
-
 @dataclass(frozen=True)
 class LayerRow:
     """One tensor family of a decoder layer, as suffixes after ``layers.*.`` (official) / ``decoder.layers.*.``
@@ -154,189 +134,66 @@ class LayerRow:
     hash_layers: bool | None = None  # only in hash-routed layers (True), only in score-routed ones (False)
 
 
-_LAYER_TEMPLATE: tuple[LayerRow, ...] = (
-    LayerRow("attn_norm.weight", "input_layernorm.weight", "input_layernorm.weight", "replicated", "norm", True),
-    LayerRow("ffn_norm.weight", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.weight", "replicated", "norm", True),
-    *(
-        LayerRow(
-            official=f"hc_{site}_{p}",
-            native=f"hc_{site}_{p}",
-            upstream=_hc_upstream(site, p),
-            semantics="replicated",
-            group="hyper_connection",
-            in_mtp=True,
-            note="fp32",
-        )
-        for site in ("attn", "ffn")
-        for p in ("fn", "base", "scale")
-    ),
-    LayerRow(
-        official="attn.attn_sink",
-        native="self_attention.attn_sink",
-        upstream=f"{_CORE}.attn_sink",
-        semantics="column",
-        group="attention_sink",
-        in_mtp=True,
-        note="fp32, one per head",
-    ),
-    LayerRow(
-        official="attn.wq_a.weight",
-        native="self_attention.wq_a.weight",
-        upstream="self_attention.linear_q_down_proj.weight",
-        semantics="replicated",
-        group="attention",
-        in_mtp=True,
-    ),
-    LayerRow(
-        official="attn.q_norm.weight",
-        native="self_attention.q_norm.weight",
-        upstream="self_attention.q_layernorm.weight",
-        semantics="replicated",
-        group="norm",
-        in_mtp=True,
-    ),
-    LayerRow(
-        official="attn.wq_b.weight",
-        native="self_attention.wq_b.weight",
-        upstream="self_attention.linear_q_up_proj.weight",
-        semantics="column",
-        group="attention",
-        in_mtp=True,
-        note="split by heads",
-    ),
-    LayerRow(
-        official="attn.wkv.weight",
-        native="self_attention.wkv.weight",
-        upstream="self_attention.linear_kv_proj.weight",
-        semantics="replicated",
-        group="attention",
-        in_mtp=True,
-    ),
-    LayerRow(
-        official="attn.kv_norm.weight",
-        native="self_attention.kv_norm.weight",
-        upstream="self_attention.kv_layernorm.weight",
-        semantics="replicated",
-        group="norm",
-        in_mtp=True,
-    ),
-    LayerRow(
-        official="attn.wo_a.weight",
-        native="self_attention.wo_a.weight",
-        upstream="self_attention.linear_o_group_proj",  # a raw nn.Parameter upstream, not a module
-        semantics="column",
-        group="attention",
-        in_mtp=True,
-        note="split by output groups",
-    ),
-    LayerRow(
-        official="attn.wo_b.weight",
-        native="self_attention.wo_b.weight",
-        upstream="self_attention.linear_proj.weight",
-        semantics="row",
-        group="attention",
-        in_mtp=True,
-    ),
-    *(
-        LayerRow(
-            official=f"attn.compressor.{p}",
-            native=f"self_attention.compressor.{p}",
-            upstream=f"{_CORE}.compressor.{up}",
-            semantics="replicated",
-            group="compressor",
-            in_mtp=False,
-            note="ratio > 0",
-        )
-        for p, up in _CSA_PARAM.items()
-    ),
-    LayerRow(
-        official="attn.indexer.wq_b.weight",
-        native="self_attention.indexer.linear_wq_b.weight",
-        upstream=f"{_CORE}.indexer.linear_wq_b.weight",
-        semantics="replicated",
-        group="indexer",
-        in_mtp=False,
-        note="ratio 4",
-    ),
-    LayerRow(
-        official="attn.indexer.weights_proj.weight",
-        native="self_attention.indexer.linear_weights_proj.weight",
-        upstream=f"{_CORE}.indexer.linear_weights_proj.weight",
-        semantics="replicated",
-        group="indexer",
-        in_mtp=False,
-        note="ratio 4",
-    ),
-    *(
-        LayerRow(
-            official=f"attn.indexer.compressor.{p}",
-            native=f"self_attention.indexer.compressor.{p}",
-            upstream=f"{_CORE}.indexer.compressor.{up}",
-            semantics="replicated",
-            group="indexer",
-            in_mtp=False,
-            note="ratio 4",
-        )
-        for p, up in _CSA_PARAM.items()
-    ),
-    LayerRow("ffn.gate.weight", "mlp.router.weight", "mlp.router.weight", "replicated", "routing", True),
-    LayerRow(
-        official="ffn.gate.bias",
-        native="mlp.router.expert_bias",
-        upstream="mlp.router.expert_bias",
-        semantics="replicated",
-        group="routing",
-        in_mtp=True,
-        note="fp32, score-routed layers",
-        hash_layers=False,
-    ),
-    LayerRow(
-        official="ffn.gate.tid2eid",
-        native="mlp.router.tid2eid",
-        upstream="mlp.router.tid2eid",
-        semantics="replicated",
-        group="routing",
-        in_mtp=False,
-        note="int64 buffer, hash layers",
-        hash_layers=True,
-    ),
-    LayerRow(
-        official=("ffn.experts.*.w1.weight", "ffn.experts.*.w3.weight"),
-        native="mlp.experts.local_experts.*.linear_fc1.weight",
-        upstream="mlp.experts.linear_fc1.weight*",
-        semantics="expert_gated_mlp",
-        group="expert",
-        in_mtp=True,
-        note="global expert index in the official name, local in the native one",
-    ),
-    LayerRow(
-        official="ffn.experts.*.w2.weight",
-        native="mlp.experts.local_experts.*.linear_fc2.weight",
-        upstream="mlp.experts.linear_fc2.weight*",
-        semantics="expert_row",
-        group="expert",
-        in_mtp=True,
-        note="global expert index in the official name, local in the native one",
-    ),
-    LayerRow(
-        official=("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
-        native="mlp.shared_experts.linear_fc1.weight",
-        upstream="mlp.shared_experts.linear_fc1.weight",
-        semantics="replicated_gated_mlp",
-        group="shared_expert",
-        in_mtp=True,
-        note="replicated over TP (impl.native.moe)",
-    ),
-    LayerRow(
-        official="ffn.shared_experts.w2.weight",
-        native="mlp.shared_experts.linear_fc2.weight",
-        upstream="mlp.shared_experts.linear_fc2.weight",
-        semantics="replicated",
-        group="shared_expert",
-        in_mtp=True,
-        note="replicated over TP (impl.native.moe)",
-    ),
-)
+TABLE_FILE = Path(__file__).with_name("mapping_table.toml")
+_NAME_KEYS = frozenset({"official", "native", "upstream", "semantics", "group"})
+# per kind of row: (required keys, optional keys)
+_ROW_KEYS = {
+    "model": (_NAME_KEYS, frozenset({"note"})),
+    "layer": (_NAME_KEYS | {"in_mtp"}, frozenset({"note", "hash_layers"})),
+    "mtp": (_NAME_KEYS, frozenset({"note"})),
+}
+
+
+def _names(value: Any, key: str, where: str, *, pair: bool) -> str | tuple[str, ...]:
+    """A name, or a TOML array of names as a tuple (``official``: exactly a (gate, up) pair)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value) and (len(value) == 2 if pair else value):
+        return tuple(value)
+    wanted = "a name or a [gate, up] pair of names" if pair else "a name or a non-empty array of names"
+    raise MappingTableError(f"{where}: {key} must be {wanted}, got {value!r}")
+
+
+def _row_fields(entry: Any, kind: str, where: str) -> dict[str, Any]:
+    """The keyword arguments of a :class:`MappingRow` / :class:`LayerRow` for one TOML row, keys and types checked."""
+    if not isinstance(entry, dict):
+        raise MappingTableError(f"{where}: not a table")
+    required, optional = _ROW_KEYS[kind]
+    unknown, missing = sorted(set(entry) - required - optional), sorted(required - set(entry))
+    if unknown or missing:
+        raise MappingTableError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    for key in ("native", "semantics", "group", "note"):
+        if not isinstance(entry.get(key, ""), str):
+            raise MappingTableError(f"{where}: {key} must be a string, got {entry[key]!r}")
+    for key in ("in_mtp", "hash_layers"):
+        if not isinstance(entry.get(key, False), bool):
+            raise MappingTableError(f"{where}: {key} must be true or false, got {entry[key]!r}")
+    official = _names(entry["official"], "official", where, pair=True)
+    return {**entry, "official": official, "upstream": _names(entry["upstream"], "upstream", where, pair=False)}
+
+
+def _load_rows(path: Path) -> tuple[tuple[MappingRow, ...], tuple[LayerRow, ...], tuple[MappingRow, ...]]:
+    """The ``[[model]]``, ``[[layer]]`` and ``[[mtp]]`` rows of ``path``, in file order."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise MappingTableError(f"{path.name}: not valid TOML: {e}") from None
+    if unknown := sorted(set(data) - set(_ROW_KEYS)):
+        raise MappingTableError(f"{path.name}: unknown tables {unknown}; rows are [[model]], [[layer]], [[mtp]]")
+    rows: dict[str, list[Any]] = {}
+    for kind in _ROW_KEYS:
+        entries = data.get(kind, [])
+        if not isinstance(entries, list):
+            raise MappingTableError(f"{path.name}: {kind} must be an array of [[{kind}]] tables")
+        rows[kind] = []
+        for i, entry in enumerate(entries, 1):
+            name = entry.get("official", "?") if isinstance(entry, dict) else "?"
+            fields = _row_fields(entry, kind, f"{path.name}: [[{kind}]] row {i} ({name!r})")
+            rows[kind].append(LayerRow(**fields) if kind == "layer" else MappingRow(**fields))
+    return tuple(rows["model"]), tuple(rows["layer"]), tuple(rows["mtp"])
+
+
+_MODEL_ROWS, _LAYER_TEMPLATE, _MTP_ROWS = _load_rows(TABLE_FILE)
 
 
 def _prefixed(prefix: str, names: Any) -> Any:
@@ -345,77 +202,28 @@ def _prefixed(prefix: str, names: Any) -> Any:
     return prefix + names
 
 
+def _placed(t: LayerRow, official_prefix: str, native_prefix: str, note: str) -> MappingRow:
+    """Layer row ``t`` prefixed for one place (the decoder layers or the MTP layer)."""
+    return MappingRow(
+        official=_prefixed(official_prefix, t.official),
+        native=native_prefix + t.native,
+        upstream=_prefixed(native_prefix, t.upstream),
+        semantics=t.semantics,
+        group=t.group,
+        note=note,
+    )
+
+
 def _build_table() -> tuple[MappingRow, ...]:
-    rows: list[MappingRow] = [
-        MappingRow(
-            "embed.weight", "embedding.word_embeddings.weight", "embedding.word_embeddings.weight", "vocab", "embedding"
-        ),
-        MappingRow("head.weight", "output_layer.weight", "output_layer.weight", "vocab", "embedding"),
-        MappingRow(
-            "norm.weight", "decoder.final_layernorm.weight", "decoder.final_layernorm.weight", "replicated", "norm"
-        ),
-        *(
-            MappingRow(
-                f"hc_head_{p}",
-                f"decoder.hc_head_params.hc_head_{p}",
-                f"decoder.hc_head_{p}",
-                "replicated",
-                "hyper_connection",
-                "fp32",
-            )
-            for p in ("fn", "base", "scale")
-        ),
-    ]
-    for t in _LAYER_TEMPLATE:
-        rows.append(
-            MappingRow(
-                official=_prefixed("layers.*.", t.official),
-                native=f"decoder.layers.*.{t.native}",
-                upstream=_prefixed("decoder.layers.*.", t.upstream),
-                semantics=t.semantics,
-                group=t.group,
-                note=t.note,
-            )
-        )
+    rows = list(_MODEL_ROWS)
+    rows += [_placed(t, "layers.*.", "decoder.layers.*.", t.note) for t in _LAYER_TEMPLATE]
     # MTP: generated from the same template, so a per-layer fix reaches the MTP layer too.
     for t in _LAYER_TEMPLATE:
         if t.in_mtp:
             first = t.official if isinstance(t.official, str) else t.official[0]
-            rows.append(
-                MappingRow(
-                    official=_prefixed("mtp.*.", t.official),
-                    native=f"mtp.layers.*.mtp_model_layer.{t.native}",
-                    upstream=_prefixed("mtp.layers.*.mtp_model_layer.", t.upstream),
-                    semantics=t.semantics,
-                    group=t.group,
-                    note=f"MTP copy of layers.*.{first}" + (f"; {t.note}" if t.note else ""),
-                )
-            )
-    rows += [
-        *(
-            MappingRow(
-                f"mtp.*.{leaf}.weight", f"mtp.layers.*.{mod}.weight", f"mtp.layers.*.{mod}.weight", "replicated", "mtp"
-            )
-            for leaf, mod in (
-                ("enorm", "enorm"),
-                ("hnorm", "hnorm"),
-                ("norm", "final_layernorm"),
-                ("e_proj", "e_proj"),
-                ("h_proj", "h_proj"),
-            )
-        ),
-        *(
-            MappingRow(
-                f"mtp.*.hc_head_{p}",
-                f"mtp.layers.*.hc_head_params.hc_head_{p}",
-                f"mtp.layers.*.hc_head_{p}",
-                "replicated",
-                "mtp",
-                "fp32",
-            )
-            for p in ("fn", "base", "scale")
-        ),
-    ]
+            note = f"MTP copy of layers.*.{first}" + (f"; {t.note}" if t.note else "")
+            rows.append(_placed(t, "mtp.*.", "mtp.layers.*.mtp_model_layer.", note))
+    rows += _MTP_ROWS
     return tuple(rows)
 
 
