@@ -4,12 +4,20 @@ Together the tiny presets cover every V4 feature: sliding-only layers, CSA (rati
 compressor + lightning indexer), HCA (ratio 8 / 16 / 32 via explicit ``layer_types`` + ``compress_rates``,
 because transformers maps only the legacy ratios 0/4/128), hash-routed and score-routed MoE (expert bias),
 a shared expert, ``o_groups >= 2``, ``hc_mult >= 2``, one MTP layer and YaRN on compressed layers.
+
+The configs' field values are data, in ``presets.toml`` beside this module (one table per preset, the
+quantization config of :mod:`tiny_models.quantize` and the full-size configs); this module checks each table's
+keys and builds the configs, deriving what follows from the fields (:func:`tiny_config`).
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import tomllib
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 
 from transformers import DeepseekV4Config
 
@@ -27,6 +35,7 @@ __all__ = [
     "flash_config",
     "pro_config",
     "tiny_config",
+    "tiny_fields",
 ]
 
 SLIDING = "sliding_attention"
@@ -75,131 +84,59 @@ def tiny_config(
     )
 
 
-def _tiny_mixed() -> DeepseekV4Config:
-    # The cross-checked config of docs/reference/v4_architecture.md §9: sliding/hash, CSA/hash, HCA(16), CSA.
-    return tiny_config(
-        layer_types=[SLIDING, CSA, HCA, CSA],
-        num_hash_layers=2,
-        hca_rate=16,
-        vocab_size=256,
-        hidden_size=64,
-        num_attention_heads=4,
-        head_dim=32,
-        qk_rope_head_dim=8,
-        q_lora_rank=48,
-        o_groups=2,
-        o_lora_rank=16,
-        sliding_window=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        index_n_heads=2,
-        index_head_dim=16,
-        index_topk=4,
-        hc_mult=4,
-        hc_sinkhorn_iters=20,
-        routed_scaling_factor=1.5,
-        num_nextn_predict_layers=1,
-    )
+PRESETS_FILE = Path(__file__).with_name("presets.toml")
+# The keys each table of presets.toml takes. A tiny table states tiny_config's schedule and every shape fact
+# (transformers' defaults are Flash's, never tiny); only the optional ones may fall back to a default.
+_TINY_OPTIONAL = frozenset("hca_rate yarn_factor yarn_original routed_scaling_factor swiglu_limit".split())
+_TINY_KEYS = _TINY_OPTIONAL | frozenset(
+    "layer_types num_hash_layers vocab_size hidden_size num_attention_heads head_dim qk_rope_head_dim q_lora_rank "
+    "o_groups o_lora_rank sliding_window n_routed_experts num_experts_per_tok moe_intermediate_size n_shared_experts "
+    "index_n_heads index_head_dim index_topk hc_mult hc_sinkhorn_iters num_nextn_predict_layers".split()
+)
+_FULL_SIZE_SHARED_KEYS = frozenset(
+    "dtype num_key_value_heads head_dim qk_rope_head_dim sliding_window compress_rope_theta rope_theta yarn_factor "
+    "yarn_original max_position_embeddings index_n_heads index_head_dim hc_mult hc_sinkhorn_iters hc_eps "
+    "n_shared_experts num_experts_per_tok num_hash_layers scoring_func norm_topk_prob swiglu_limit "
+    "num_nextn_predict_layers vocab_size rms_norm_eps hidden_act tie_word_embeddings bos_token_id eos_token_id".split()
+)
+_FULL_SIZE_MODEL_KEYS = frozenset(
+    "hidden_size num_hidden_layers num_attention_heads q_lora_rank o_groups o_lora_rank n_routed_experts "
+    "moe_intermediate_size index_topk routed_scaling_factor compress_ratios".split()
+)
 
 
-def _tiny_tp() -> DeepseekV4Config:
-    # Everything that TP=2 / EP=2 splits is even: heads, o_groups, experts, vocab, indexer heads.
-    # Layer 0 is CSA + hash (the Flash layer-2 template); HCA ratio 8; swiglu_limit low so the clamp bites.
-    return tiny_config(
-        layer_types=[CSA, SLIDING, HCA, CSA],
-        num_hash_layers=1,
-        hca_rate=8,
-        yarn_factor=2.0,
-        yarn_original=64,
-        vocab_size=128,
-        hidden_size=32,
-        num_attention_heads=8,
-        head_dim=16,
-        qk_rope_head_dim=4,
-        q_lora_rank=32,
-        o_groups=4,
-        o_lora_rank=8,
-        sliding_window=8,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        n_shared_experts=1,
-        index_n_heads=4,
-        index_head_dim=16,
-        index_topk=2,
-        hc_mult=2,
-        hc_sinkhorn_iters=5,
-        routed_scaling_factor=2.5,
-        swiglu_limit=1.0,
-        num_nextn_predict_layers=1,
-    )
+def _checked(entry: dict, where: str, keys: frozenset[str], optional: frozenset[str] = frozenset()) -> dict:
+    unknown, missing = sorted(set(entry) - keys), sorted(keys - optional - set(entry))
+    if unknown or missing:
+        raise ValueError(f"{PRESETS_FILE.name}: {where}: unknown keys {unknown}, missing keys {missing}")
+    return entry
 
 
-def _tiny_sliding() -> DeepseekV4Config:
-    # Window-only attention (no compressor), one hash layer then one score-routed layer, o_groups 1.
-    return tiny_config(
-        layer_types=[SLIDING, SLIDING],
-        num_hash_layers=1,
-        vocab_size=128,
-        hidden_size=32,
-        num_attention_heads=2,
-        head_dim=16,
-        qk_rope_head_dim=4,
-        q_lora_rank=16,
-        o_groups=1,
-        o_lora_rank=8,
-        sliding_window=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        n_shared_experts=1,
-        index_n_heads=2,
-        index_head_dim=16,
-        index_topk=2,
-        hc_mult=2,
-        hc_sinkhorn_iters=3,
-        num_nextn_predict_layers=1,
-    )
+def _load() -> dict[str, dict]:
+    data = _checked(tomllib.loads(PRESETS_FILE.read_text()), "top level", frozenset({"preset", "quant", "full_size"}))
+    for name, entry in data["preset"].items():
+        _checked(entry, f"[preset.{name!r}]", _TINY_KEYS, _TINY_OPTIONAL)
+    _checked(data["quant"], "[quant]", _TINY_KEYS, _TINY_OPTIONAL)
+    full = _checked(data["full_size"], "[full_size]", frozenset({"shared", "flash", "pro"}))
+    _checked(full["shared"], "[full_size.shared]", _FULL_SIZE_SHARED_KEYS)
+    for model in ("flash", "pro"):
+        _checked(full[model], f"[full_size.{model}]", _FULL_SIZE_MODEL_KEYS)
+    return data
 
 
-def _tiny_largest() -> DeepseekV4Config:
-    # The biggest preset (benchmarks): Flash-like schedule [0,0] + [4,32]*2, three hash layers.
-    return tiny_config(
-        layer_types=[SLIDING, SLIDING, CSA, HCA, CSA, HCA],
-        num_hash_layers=3,
-        hca_rate=32,
-        yarn_factor=8.0,
-        yarn_original=64,
-        vocab_size=512,
-        hidden_size=128,
-        num_attention_heads=8,
-        head_dim=64,
-        qk_rope_head_dim=16,
-        q_lora_rank=96,
-        o_groups=4,
-        o_lora_rank=32,
-        sliding_window=16,
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        moe_intermediate_size=64,
-        n_shared_experts=1,
-        index_n_heads=4,
-        index_head_dim=32,
-        index_topk=8,
-        hc_mult=4,
-        hc_sinkhorn_iters=20,
-        num_nextn_predict_layers=1,
-    )
+_TABLES = _load()
 
 
-PRESETS: dict[str, Callable[[], DeepseekV4Config]] = {
-    "tiny-mixed": _tiny_mixed,
-    "tiny-tp": _tiny_tp,
-    "tiny-sliding": _tiny_sliding,
-    "tiny-largest": _tiny_largest,
-}
+def tiny_fields(name: str) -> dict[str, object]:
+    """``tiny_config``'s keywords for tiny table ``name`` of presets.toml (a preset, or ``"quant"``), a fresh copy."""
+    return copy.deepcopy(_TABLES["quant"] if name == "quant" else _TABLES["preset"][name])
+
+
+def _tiny_preset(name: str) -> DeepseekV4Config:
+    return tiny_config(**tiny_fields(name))
+
+
+PRESETS: dict[str, Callable[[], DeepseekV4Config]] = {name: partial(_tiny_preset, name) for name in _TABLES["preset"]}
 
 
 def preset_names() -> list[str]:
@@ -243,70 +180,19 @@ def min_seq_len(cfg: DeepseekV4Config) -> int:
     return -(-need // step) * step
 
 
-def _full_size(**fields: object) -> DeepseekV4Config:
-    # Built from the published config.json fields (legacy keys, folded by transformers); no weights.
-    return DeepseekV4Config(
-        architectures=["DeepseekV4ForCausalLM"],
-        dtype="bfloat16",
-        num_key_value_heads=1,
-        head_dim=512,
-        qk_rope_head_dim=64,
-        sliding_window=128,
-        compress_rope_theta=160000.0,
-        rope_theta=10000.0,
-        rope_scaling=_yarn(16.0, 65536),
-        max_position_embeddings=1048576,
-        index_n_heads=64,
-        index_head_dim=128,
-        hc_mult=4,
-        hc_sinkhorn_iters=20,
-        hc_eps=1e-6,
-        n_shared_experts=1,
-        num_experts_per_tok=6,
-        num_hash_layers=3,
-        scoring_func="sqrtsoftplus",
-        norm_topk_prob=True,
-        swiglu_limit=10.0,
-        num_nextn_predict_layers=1,
-        vocab_size=129280,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-        **fields,
-    )
+def _full_size(model: str) -> DeepseekV4Config:
+    """The published config.json fields of ``model`` (legacy keys, folded by transformers); no weights."""
+    full = _TABLES["full_size"]
+    fields = copy.deepcopy({**full["shared"], **full[model]})
+    rope_scaling = _yarn(fields.pop("yarn_factor"), fields.pop("yarn_original"))
+    return DeepseekV4Config(architectures=["DeepseekV4ForCausalLM"], rope_scaling=rope_scaling, **fields)
 
 
 def flash_config() -> DeepseekV4Config:
     """DeepSeek-V4-Flash (docs/reference/v4_architecture.md §2.1): 43 layers, ratios [0,0]+[4,128]*20+[4,0]."""
-    return _full_size(
-        hidden_size=4096,
-        num_hidden_layers=43,
-        num_attention_heads=64,
-        q_lora_rank=1024,
-        o_groups=8,
-        o_lora_rank=1024,
-        n_routed_experts=256,
-        moe_intermediate_size=2048,
-        index_topk=512,
-        routed_scaling_factor=1.5,
-        compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0],
-    )
+    return _full_size("flash")
 
 
 def pro_config() -> DeepseekV4Config:
     """DeepSeek-V4-Pro (docs/reference/v4_architecture.md §2.1): 61 layers, ratios [128,128]+[4,128]*29+[4,0]."""
-    return _full_size(
-        hidden_size=7168,
-        num_hidden_layers=61,
-        num_attention_heads=128,
-        q_lora_rank=1536,
-        o_groups=16,
-        o_lora_rank=1024,
-        n_routed_experts=384,
-        moe_intermediate_size=3072,
-        index_topk=1024,
-        routed_scaling_factor=2.5,
-        compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0],
-    )
+    return _full_size("pro")

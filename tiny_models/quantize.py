@@ -24,7 +24,7 @@ from transformers import DeepseekV4Config
 
 from tiny_models.manifest import FP8_BLOCK, MXFP4_BLOCK, manifest
 from tiny_models.oracle import write_checkpoint
-from tiny_models.presets import CSA, SLIDING, tiny_config
+from tiny_models.presets import tiny_config, tiny_fields
 
 __all__ = [
     "E2M1_VALUES",
@@ -47,33 +47,9 @@ SCALE_DTYPES = {"ue8m0": torch.float8_e8m0fnu, "fp32": torch.float32}
 
 def quant_config() -> DeepseekV4Config:
     """A tiny V4 config whose weights span several 128x128 blocks (some partial) and whose expert inputs are
-    multiples of 32: hidden 160 = 128 + 32, q_lora_rank 144, wq_b out 2*96 = 192, expert intermediate 64."""
-    return tiny_config(
-        layer_types=[CSA, SLIDING],
-        num_hash_layers=1,
-        hca_rate=8,
-        yarn_factor=2.0,
-        yarn_original=64,
-        vocab_size=64,
-        hidden_size=160,
-        num_attention_heads=2,
-        head_dim=96,
-        qk_rope_head_dim=8,
-        q_lora_rank=144,
-        o_groups=2,
-        o_lora_rank=80,
-        sliding_window=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        n_shared_experts=1,
-        index_n_heads=2,
-        index_head_dim=32,
-        index_topk=2,
-        hc_mult=2,
-        hc_sinkhorn_iters=3,
-        num_nextn_predict_layers=1,
-    )
+    multiples of 32: hidden 160 = 128 + 32, q_lora_rank 144, wq_b out 2*96 = 192, expert intermediate 64
+    (the ``[quant]`` table of ``tiny_models/presets.toml``)."""
+    return tiny_config(**tiny_fields("quant"))
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:

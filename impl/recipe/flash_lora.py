@@ -6,6 +6,8 @@ TP=1, PP=4, EP=8, alltoall dispatcher, selective recompute ``moe_act``/``mhc``, 
 :func:`tiny_variant` keeps every structural choice (targets, rank/alpha, generated pipeline layout with hash
 layers on stage 0 and MTP + loss last, optimizer, hardware gate) and shrinks the model to a tiny preset on
 2 ranks, so :func:`to_qualify_args` drives the same recipe through ``dsv4-lora qualify`` on a CPU host.
+The model shapes (:data:`FLASH_SHAPE`, :data:`PRO_SHAPE`, :data:`TINY_MODELS`) are data, in ``model_shapes.toml``
+beside this module.
 
 Importing this module does not import megatron (the launch scripts build recipes cheaply).
 """
@@ -13,7 +15,9 @@ Importing this module does not import megatron (the launch scripts build recipes
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,60 +63,48 @@ class ModelShape:
     vocab_size: int
 
 
-#: DeepSeek-V4-Flash, from the published config.json (docs/reference/v4_architecture.md §2.1).
-FLASH_SHAPE = ModelShape(
-    name="DeepSeek-V4-Flash",
-    num_layers=43,
-    num_hash_layers=3,
-    mtp_layers=1,
-    num_experts=256,
-    num_heads=64,
-    o_groups=8,
-    vocab_size=129280,
-)
-
-
-#: DeepSeek-V4-Pro, from the published config.json (docs/reference/v4_architecture.md §2.1).
-PRO_SHAPE = ModelShape(
-    name="DeepSeek-V4-Pro",
-    num_layers=61,
-    num_hash_layers=3,
-    mtp_layers=1,
-    num_experts=384,
-    num_heads=128,
-    o_groups=16,
-    vocab_size=129280,
-)
-
-
 @dataclass(frozen=True)
 class TinyModel:
     """A tiny preset as the recipe sees it: its layout facts and its shortest full-coverage sequence.
 
-    Stated here rather than read from the suite's presets, so the recipe never reads the oracle; the CLI writes
-    the preset's base under the same name.
+    Stated in ``model_shapes.toml`` rather than read from the suite's presets, so the recipe never reads the oracle;
+    the CLI writes the preset's base under the same name.
     """
 
     shape: ModelShape
     seq_length: int  # twice the sliding window, >= 2 entries per compressed layer, top-k really choosing
 
 
+SHAPES_FILE = Path(__file__).with_name("model_shapes.toml")
+_SHAPE_KEYS = frozenset(f.name for f in fields(ModelShape))
+
+
+def _checked(entry: dict, where: str, keys: frozenset[str]) -> dict:
+    unknown, missing = sorted(set(entry) - keys), sorted(keys - set(entry))
+    if unknown or missing:
+        raise UnsupportedConfigError(f"{SHAPES_FILE.name}: {where}: unknown keys {unknown}, missing keys {missing}")
+    return entry
+
+
+def _load() -> tuple[dict[str, ModelShape], dict[str, TinyModel]]:
+    data = _checked(tomllib.loads(SHAPES_FILE.read_text()), "top level", frozenset({"full", "tiny"}))
+    full = _checked(data["full"], "[full]", frozenset({"flash", "pro"}))
+    shapes = {name: ModelShape(**_checked(entry, f"[full.{name}]", _SHAPE_KEYS)) for name, entry in full.items()}
+    tiny = {}
+    for name, entry in data["tiny"].items():  # named by the table; seq_length is the TinyModel's
+        shape = dict(_checked(entry, f"[tiny.{name!r}]", _SHAPE_KEYS - {"name"} | {"seq_length"}))
+        seq_length = shape.pop("seq_length")
+        tiny[name] = TinyModel(ModelShape(name=name, **shape), seq_length=seq_length)
+    return shapes, tiny
+
+
+_SHAPES, _TINY = _load()
+#: DeepSeek-V4-Flash, from the published config.json (docs/reference/v4_architecture.md §2.1).
+FLASH_SHAPE = _SHAPES["flash"]
+#: DeepSeek-V4-Pro, from the published config.json (docs/reference/v4_architecture.md §2.1).
+PRO_SHAPE = _SHAPES["pro"]
 #: The tiny presets a tiny variant may run on.
-TINY_MODELS: dict[str, TinyModel] = {
-    "tiny-tp": TinyModel(
-        ModelShape(
-            name="tiny-tp",
-            num_layers=4,
-            num_hash_layers=1,
-            mtp_layers=1,
-            num_experts=8,
-            num_heads=8,
-            o_groups=4,
-            vocab_size=128,
-        ),
-        seq_length=24,
-    ),
-}
+TINY_MODELS: dict[str, TinyModel] = _TINY
 
 
 @dataclass(frozen=True)
