@@ -43,7 +43,7 @@ def test_load_then_export_is_bit_exact_on_every_rank(impl, ckpt, nproc, layout):
     world, fields = LAYOUTS[layout]
     if world > nproc:
         pytest.skip(f"{layout} needs --nproc {world} (running with --nproc {nproc})")
-    case = RoundTripCase(impl.name, str(ckpt), **fields)
+    case = RoundTripCase(impl_name=impl.name, ckpt_dir=str(ckpt), **fields)
     results = run_ranks(rank_bridge_roundtrip, case, nproc=world, timeout_s=60 * world, preload=impl_preload(impl.name))
     for r in results:
         p = r.payload

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import fixtures.asserts as ah
 from fixtures.data.adapter_tamper import TAMPER, UNCERTIFY
-from fixtures.runner.subproc import run
+from fixtures.runner.subproc import cli_runner
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cli")]
 
@@ -33,11 +32,7 @@ QUALIFY_CHECKS = ["detect", "coverage", "build", "strict_load", "base_logits", "
 @pytest.fixture(scope="session")
 def dsv4(impl):
     """Run the implementation's command line (``python -m <impl>.cli``, so ``--impl`` reaches it too)."""
-
-    def run_cli(*args: str, timeout: float = 600):
-        return run([sys.executable, "-m", f"{impl.name}.cli", *map(str, args)], timeout=timeout)
-
-    return run_cli
+    return cli_runner(impl.name, timeout=600)
 
 
 @pytest.fixture(scope="session")
@@ -107,21 +102,14 @@ def test_qualify_trains_on_one_fixed_batch_and_its_loss_falls(qualified):
     train = _check(json.loads((qualified / "qualify.json").read_text()), "train")["detail"]
     first = _oracle_loss(load_oracle(qualified / "base"), train["batch"])
     last = _oracle_loss(_merged_oracle(qualified), train["batch"])
-    ah.assert_within_ulps(
-        abs(train["first_loss"] - first),
-        dtype=torch.float32,
-        ulps=LOSS_ULPS,
-        scale=first,
-        what=f"qualify's first loss {train['first_loss']:.6f} vs the loss of its recorded batch {first:.6f}",
-        context="else it did not train on that batch",
-    )
-    ah.assert_within_ulps(
-        abs(train["last_loss"] - last),
-        dtype=torch.float32,
-        ulps=LOSS_ULPS,
-        scale=last,
-        what=f"qualify's last loss {train['last_loss']:.6f} vs the trained adapter's loss on the batch {last:.6f}",
-    )
+    for which, recomputed, of_what, context in (
+        ("first", first, "the loss of its recorded batch", "else it did not train on that batch"),
+        ("last", last, "the trained adapter's loss on the batch", ""),
+    ):
+        reported = train[f"{which}_loss"]
+        what = f"qualify's {which} loss {reported:.6f} vs {of_what} {recomputed:.6f}"
+        diff = abs(reported - recomputed)
+        ah.assert_within_ulps(diff, dtype=torch.float32, ulps=LOSS_ULPS, scale=recomputed, what=what, context=context)
     assert last < first and train["loss_fell"] is True, f"the loss did not fall: {first:.4f} -> {last:.4f}"
 
 

@@ -9,14 +9,13 @@ export re-publishes an adapter for a consumer and fails closed (exit 1, nothing 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from fixtures.data.adapter_states import config_attention_shapes, make_native_adapter
-from fixtures.runner.subproc import run
+from fixtures.runner.subproc import cli_runner
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
 
@@ -29,10 +28,8 @@ VLLM_APPLIES = ("wq_a", "wq_b", "wkv", "wo_b")
 
 @pytest.fixture(scope="module")
 def dsv4(impl):
-    def run_cli(*args: str, timeout: float = 300):
-        return run([sys.executable, "-m", f"{impl.name}.cli", *map(str, args)], timeout=timeout)
-
-    return run_cli
+    """Run the implementation's command line (``python -m <impl>.cli``)."""
+    return cli_runner(impl.name, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -141,21 +141,20 @@ def rank_pipeline_lora_collectives(rank: int, world_size: int, case: PlacementCa
     return {"tensor_collectives": calls, "wrapped": sum(len(w) for w in handle.wrapped)}
 
 
+def _on_one_rank(rank_fn, impl) -> dict:
+    """``rank_fn``'s payload from one (warm) rank building the default case."""
+    (result,) = run_ranks(
+        rank_fn, PlacementCase(impl.name), nproc=1, timeout_s=TIMEOUT_S, preload=impl_preload(impl.name)
+    )
+    return result.payload
+
+
 def test_provider_build_keeps_every_tensor_on_the_rank_device_and_the_audit_names_strays(impl):
     """On this CPU host the rank's device is the CPU; on a CUDA host (scripts/device_check.sh) it is cuda:0."""
     import torch
 
     want = "cuda:0" if torch.cuda.is_available() else "cpu"
-    (result,) = [
-        r.payload
-        for r in run_ranks(
-            rank_cpu_build_audit,
-            PlacementCase(impl.name),
-            nproc=1,
-            timeout_s=TIMEOUT_S,
-            preload=impl_preload(impl.name),
-        )
-    ]
+    result = _on_one_rank(rank_cpu_build_audit, impl)
     assert result["device"] == want, f"impl.rank_device() is {result['device']}, expected {want}"
     assert result["misplaced"] == [], f"tensors off {want} after a provider build:\n  " + "\n  ".join(
         result["misplaced"][:40]
@@ -172,16 +171,7 @@ def test_provider_build_keeps_every_tensor_on_the_rank_device_and_the_audit_name
 
 
 def test_a_cuda_host_gets_a_gpu_placed_model_from_the_provider(impl):
-    (result,) = [
-        r.payload
-        for r in run_ranks(
-            rank_cuda_host_build,
-            PlacementCase(impl.name),
-            nproc=1,
-            timeout_s=TIMEOUT_S,
-            preload=impl_preload(impl.name),
-        )
-    ]
+    result = _on_one_rank(rank_cuda_host_build, impl)
     assert result["use_cpu_initialization"] == [False] * len(result["chunk_types"]), (
         f"with CUDA available the model config still asks for CPU initialization: {result}; Megatron-Bridge's "
         "get_model then never moves the model to the GPU"

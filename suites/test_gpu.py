@@ -68,7 +68,7 @@ def ckpt(tmp_path_factory) -> str:
 def test_load_then_export_is_bit_exact_and_logits_match_oracle_under_nccl(impl, ckpt, layout, nproc):
     name, spec = layout
     seq = min_seq_len(get_preset(PRESET)) if spec.get("pp", 1) == 1 else 0  # the bridge rank fn has no pipeline
-    case = RoundTripCase(impl.name, ckpt, logits_seq=seq, **spec)
+    case = RoundTripCase(impl_name=impl.name, ckpt_dir=ckpt, logits_seq=seq, **spec)
     results = run_ranks(rank_bridge_roundtrip, case, nproc=nproc, timeout_s=TIMEOUT_S, preload=impl_preload(impl.name))
     for r in results:
         p = r.payload
@@ -87,8 +87,8 @@ def test_load_then_export_is_bit_exact_and_logits_match_oracle_under_nccl(impl, 
 def test_trained_lora_logits_equal_merged_oracle_under_nccl(impl, ckpt, layout, nproc):
     name, spec = layout
     case = LoraE2ECase(
-        impl.name,
-        ckpt,
+        impl_name=impl.name,
+        ckpt_dir=ckpt,
         seq=min_seq_len(get_preset(PRESET)),
         train_steps=3,
         lr=1e-2,

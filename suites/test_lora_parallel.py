@@ -83,7 +83,7 @@ def test_gradient_clipping_bounds_the_norm_of_the_whole_tp_sharded_update(impl, 
     by its own shard's norm would give sqrt(2) times the bound here."""
     clip = 1e-4
     ckpt = str(tiny_ckpt_factory(PRESET, seed=BASE_SEED))
-    case = ClipCase(impl.name, ckpt, tp=2, clip_grad=clip, seq=min_seq_len(get_preset(PRESET)))
+    case = ClipCase(impl_name=impl.name, ckpt_dir=ckpt, tp=2, clip_grad=clip, seq=min_seq_len(get_preset(PRESET)))
     results = run_ranks(rank_clipped_sgd_step, case, nproc=2, timeout_s=150, preload=impl_preload(impl.name))
     counted = [(sq, r.rank) for r in results for sq, sharded in r.payload.values() if sharded or r.rank == 0]
     per_rank = [math.sqrt(sum(sq for sq, _ in r.payload.values())) for r in results]

@@ -157,10 +157,13 @@ def _load(native: torch.nn.Module, ref: torch.nn.Module, *, tp_rank: int = 0, tp
         param.copy_(part)
 
 
-def _build(impl: Any, hf: Any, layer: int, ref: Any, **kwargs: Any) -> Any:
-    native = impl.DeepseekV4Attention(impl.V4Config.from_hf(hf), layer, **kwargs)
+def _pair_and_inputs(impl: Any, hf: Any, layer: int, *, seed: int, input_seed: int) -> tuple[Any, Any, Any, Any]:
+    """transformers' attention for ``layer`` (random, from ``seed``), the native one loaded from it, and inputs
+    ``x, positions`` (from ``input_seed``)."""
+    ref = _oracle(hf, layer, seed=seed)
+    native = impl.DeepseekV4Attention(impl.V4Config.from_hf(hf), layer)
     _load(native, ref)
-    return native
+    return ref, native, *_inputs(hf, seed=input_seed)
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +179,7 @@ def megatron_world(impl) -> None:
 def test_output_matches_transformers_attention(impl, megatron_world, kind, with_cache):
     hf = _hf_config()
     layer = LAYERS[kind]
-    ref = _oracle(hf, layer, seed=10 + layer)
-    native = _build(impl, hf, layer, ref)
-    x, positions = _inputs(hf, seed=layer)
+    ref, native, x, positions = _pair_and_inputs(impl, hf, layer, seed=10 + layer, input_seed=layer)
     with torch.no_grad():
         expected = _oracle_forward(ref, hf, x, positions, with_cache=with_cache)
         got = native(x, positions)
@@ -195,9 +196,7 @@ def test_output_matches_transformers_attention(impl, megatron_world, kind, with_
 
 def test_one_dimensional_position_ids_broadcast_over_the_batch(impl, megatron_world):
     hf = _hf_config()
-    ref = _oracle(hf, LAYERS["csa"], seed=3)
-    native = _build(impl, hf, LAYERS["csa"], ref)
-    x, positions = _inputs(hf, seed=3)
+    ref, native, x, positions = _pair_and_inputs(impl, hf, LAYERS["csa"], seed=3, input_seed=3)
     with torch.no_grad():
         expected = _oracle_forward(ref, hf, x, positions, with_cache=False)
         got = native(x, positions[0])
@@ -209,9 +208,7 @@ def test_one_dimensional_position_ids_broadcast_over_the_batch(impl, megatron_wo
 def test_indexer_keeps_only_top_k_of_the_visible_compressed_entries(impl, megatron_world):
     """At SEQ=40 the CSA layer's later queries see more entries than index_topk: some must be left out."""
     hf = _hf_config()
-    ref = _oracle(hf, LAYERS["csa"], seed=11)
-    native = _build(impl, hf, LAYERS["csa"], ref)
-    x, positions = _inputs(hf, seed=1)
+    _, native, x, positions = _pair_and_inputs(impl, hf, LAYERS["csa"], seed=11, input_seed=1)
     with torch.no_grad():
         qr = native.q_norm(native.wq_a(x))
         inv_freq = impl.rope_inv_freq(native.v4, compressed=True)
@@ -259,9 +256,7 @@ def test_rope_rotates_exactly_the_last_rope_head_dim_channels(impl, rope_dim):
 def test_output_matches_transformers_for_other_rope_widths(impl, megatron_world, rope_dim):
     hf = _hf_config(qk_rope_head_dim=rope_dim)
     for kind, layer in LAYERS.items():
-        ref = _oracle(hf, layer, seed=20 + layer)
-        native = _build(impl, hf, layer, ref)
-        x, positions = _inputs(hf, seed=layer)
+        ref, native, x, positions = _pair_and_inputs(impl, hf, layer, seed=20 + layer, input_seed=layer)
         with torch.no_grad():
             got, expected = native(x, positions), _oracle_forward(ref, hf, x, positions, with_cache=False)
         ah.assert_close_ulps(
@@ -279,9 +274,7 @@ def test_gradients_are_finite_and_match_transformers(impl, megatron_world, kind)
     """Every parameter's gradient equals the oracle's; the indexer gets none (top-k indices), as in the oracle."""
     hf = _hf_config()
     layer = LAYERS[kind]
-    ref = _oracle(hf, layer, seed=30 + layer)
-    native = _build(impl, hf, layer, ref)
-    x, positions = _inputs(hf, seed=layer)
+    ref, native, x, positions = _pair_and_inputs(impl, hf, layer, seed=30 + layer, input_seed=layer)
     weight = torch.randn(BATCH, SEQ, hf.hidden_size, generator=torch.Generator().manual_seed(7))
     (_oracle_forward(ref, hf, x, positions, with_cache=False) * weight).sum().backward()
     (native(x, positions) * weight).sum().backward()

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.cpu
 
 def test_ddp_is_built_after_the_pre_wrap_hook(impl):
     """DDP's gradient buffers hold exactly the parameters the hook left trainable."""
-    case = ProviderCase(impl.name, preset="tiny-mixed", trainable_prefix="decoder.layers.0.self_attention.wq_b")
+    case = ProviderCase(
+        impl_name=impl.name, preset="tiny-mixed", trainable_prefix="decoder.layers.0.self_attention.wq_b"
+    )
     preload = impl_preload(impl.name)
     (result,) = [
         r.payload for r in run_ranks(rank_provider_hook_before_ddp, case, nproc=1, timeout_s=240, preload=preload)

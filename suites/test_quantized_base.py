@@ -61,7 +61,7 @@ def test_reference_dequantization_equals_megatron_bridges_dequantizer(impl, quan
 def test_sharded_load_equals_the_dequantized_values_on_every_rank(impl, quantized, layout):
     """TP splits go through Megatron-Bridge's scatter, unsplit weights are dequantized in place: same values."""
     variant, ckpt, _ = quantized
-    case = RoundTripCase(impl.name, str(ckpt), quantized=True, **layout)
+    case = RoundTripCase(impl_name=impl.name, ckpt_dir=str(ckpt), quantized=True, **layout)
     for r in run_ranks(rank_bridge_roundtrip, case, nproc=2, timeout_s=120, preload=impl_preload(impl.name)):
         assert not r.payload["mismatches"], f"{variant} {layout} rank {r.rank}:\n  " + "\n  ".join(
             r.payload["mismatches"][:20]

@@ -113,30 +113,34 @@ test_generated.py::test_passes_although_listed ImportError
 """
 
 
-def test_xfails_file_fails_a_listed_test_that_passes_or_raises_another_exception(tmp_path):
-    rc, out = _run_generated_suite(tmp_path, _XFAILS)
-    assert _outcomes(out) == {
-        "test_fails_as_listed": "XFAIL",
-        "test_fails_with_the_implementations_error": "XFAIL",
-        "test_fails_with_another_exception": "FAILED",
-        "test_passes_although_listed": "FAILED",
-        "test_not_listed": "PASSED",
-    }, out[-4000:]
-    assert "[XPASS(strict)]" in out, out[-4000:]
+#: each generated test, its outcome with ``_XFAILS`` as the xfails file, and its outcome without one
+_OUTCOMES = [
+    ("test_fails_as_listed", "XFAIL", "FAILED"),
+    ("test_fails_with_the_implementations_error", "XFAIL", "FAILED"),
+    ("test_fails_with_another_exception", "FAILED", "FAILED"),
+    ("test_passes_although_listed", "FAILED", "PASSED"),
+    ("test_not_listed", "PASSED", "PASSED"),
+]
+
+
+def _run_expecting_outcomes(tmp_path, xfails: str | None) -> str:
+    """Run the generated suite with ``xfails`` as the xfails file (None: without one): every test must end as
+    ``_OUTCOMES`` says for that run, and the run must fail (exit 1). Returns pytest's output."""
+    rc, out = _run_generated_suite(tmp_path, xfails)
+    expected = {test: with_file if xfails is not None else without for test, with_file, without in _OUTCOMES}
+    assert _outcomes(out) == expected, out[-4000:]
     assert rc == 1, out[-4000:]
+    return out
+
+
+def test_xfails_file_fails_a_listed_test_that_passes_or_raises_another_exception(tmp_path):
+    out = _run_expecting_outcomes(tmp_path, _XFAILS)
+    assert "[XPASS(strict)]" in out, out[-4000:]
 
 
 def test_without_an_xfails_file_the_generated_tests_fail_only_where_they_raise(tmp_path):
     """The control run: the outcomes above come from the xfails file, not from the generated tests."""
-    rc, out = _run_generated_suite(tmp_path, None)
-    assert _outcomes(out) == {
-        "test_fails_as_listed": "FAILED",
-        "test_fails_with_the_implementations_error": "FAILED",
-        "test_fails_with_another_exception": "FAILED",
-        "test_passes_although_listed": "PASSED",
-        "test_not_listed": "PASSED",
-    }, out[-4000:]
-    assert rc == 1, out[-4000:]
+    _run_expecting_outcomes(tmp_path, None)
 
 
 def test_an_xfails_line_matching_no_collected_test_is_a_usage_error(tmp_path):

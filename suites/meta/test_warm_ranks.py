@@ -87,21 +87,22 @@ def test_the_runner_spawns_what_it_may_not_fork(impl, fork_server):
     assert {r["ppid"] for r in reports} == {os.getpid()}, f"ranks should be this process's own: {reports}"
 
 
-def test_a_forked_rank_killed_by_a_signal_is_reported_with_the_signal_name(impl, fork_server):
+def _failed_launch(impl, fate: str, timeout_s: float) -> str:
+    """Two warm ranks whose rank 1 meets ``fate``: the launch must fail and leave no process behind; its report."""
     before = child_pids()
     with pytest.raises(MultiRankFailure) as info:
-        run_ranks(_rank_report_origin, Case("killed"), nproc=2, timeout_s=20, preload=impl_preload(impl.name))
-    report = str(info.value)
-    assert "\nroot cause: rank 1 killed by SIGKILL (exit -9)\n" in report, report
+        run_ranks(_rank_report_origin, Case(fate), nproc=2, timeout_s=timeout_s, preload=impl_preload(impl.name))
     assert_no_orphans(before, [r.pid for r in info.value.results])
+    return str(info.value)
+
+
+def test_a_forked_rank_killed_by_a_signal_is_reported_with_the_signal_name(impl, fork_server):
+    report = _failed_launch(impl, "killed", timeout_s=20)
+    assert "\nroot cause: rank 1 killed by SIGKILL (exit -9)\n" in report, report
     assert psutil.Process(fork_server).is_running(), "the fork server went down with its rank"
 
 
 def test_a_hanging_forked_rank_is_stopped_at_the_timeout_with_its_stack(impl, fork_server):
-    before = child_pids()
-    with pytest.raises(MultiRankFailure) as info:
-        run_ranks(_rank_report_origin, Case("hang"), nproc=2, timeout_s=3, preload=impl_preload(impl.name))
-    report = str(info.value)
+    report = _failed_launch(impl, "hang", timeout_s=3)
     assert "\nroot cause: rank 1 did not finish within 3s\n" in report, report
     assert "in _rank_report_origin" in report, "the hung rank's stack dump is missing:\n" + report
-    assert_no_orphans(before, [r.pid for r in info.value.results])
