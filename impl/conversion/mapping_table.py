@@ -304,7 +304,7 @@ def _layer_names(prefix: str, ratio: int, hash_layer: bool, n_experts: int, in_m
 def expected_official_names(config: Any, *, with_mtp: bool = True) -> list[str]:
     """Every official (non-scale) tensor name a checkpoint of this configuration holds, in table order."""
     cfg = _cfg(config)
-    names = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"]
+    names = [row.official for row in _MODEL_ROWS]
     for i in range(cfg.num_layers):
         names += _layer_names(
             f"layers.{i}.", cfg.compress_ratios[i], cfg.is_hash_layer(i), cfg.n_routed_experts, in_mtp=False
@@ -313,6 +313,5 @@ def expected_official_names(config: Any, *, with_mtp: bool = True) -> list[str]:
         for k in range(cfg.num_mtp_layers):
             p = f"mtp.{k}."
             names += _layer_names(p, 0, False, cfg.n_routed_experts, in_mtp=True)
-            names += [p + s for s in ("enorm.weight", "hnorm.weight", "norm.weight", "e_proj.weight", "h_proj.weight")]
-            names += [f"{p}hc_head_{s}" for s in ("fn", "base", "scale")]
+            names += [p + row.official.removeprefix("mtp.*.") for row in _MTP_ROWS]
     return names
