@@ -33,12 +33,12 @@ name(s): upstream Megatron-Core's ``dsv4_hybrid`` graph, the layout Megatron-Bri
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from impl.data_tables import checked_keys, read_table_file
 from impl.errors import MappingTableError
 
 __all__ = [
@@ -156,12 +156,8 @@ def _names(value: Any, key: str, where: str, *, pair: bool) -> str | tuple[str, 
 
 def _row_fields(entry: Any, kind: str, where: str) -> dict[str, Any]:
     """The keyword arguments of a :class:`MappingRow` / :class:`LayerRow` for one TOML row, keys and types checked."""
-    if not isinstance(entry, dict):
-        raise MappingTableError(f"{where}: not a table")
     required, optional = _ROW_KEYS[kind]
-    unknown, missing = sorted(set(entry) - required - optional), sorted(required - set(entry))
-    if unknown or missing:
-        raise MappingTableError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    checked_keys(entry, where, MappingTableError, required=required, optional=optional)
     for key in ("native", "semantics", "group", "note"):
         if not isinstance(entry.get(key, ""), str):
             raise MappingTableError(f"{where}: {key} must be a string, got {entry[key]!r}")
@@ -174,10 +170,7 @@ def _row_fields(entry: Any, kind: str, where: str) -> dict[str, Any]:
 
 def _load_rows(path: Path) -> tuple[tuple[MappingRow, ...], tuple[LayerRow, ...], tuple[MappingRow, ...]]:
     """The ``[[model]]``, ``[[layer]]`` and ``[[mtp]]`` rows of ``path``, in file order."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise MappingTableError(f"{path.name}: not valid TOML: {e}") from None
+    data = read_table_file(path, MappingTableError)
     if unknown := sorted(set(data) - set(_ROW_KEYS)):
         raise MappingTableError(f"{path.name}: unknown tables {unknown}; rows are [[model]], [[layer]], [[mtp]]")
     rows: dict[str, list[Any]] = {}
@@ -304,7 +297,7 @@ def _layer_names(prefix: str, ratio: int, hash_layer: bool, n_experts: int, in_m
 def expected_official_names(config: Any, *, with_mtp: bool = True) -> list[str]:
     """Every official (non-scale) tensor name a checkpoint of this configuration holds, in table order."""
     cfg = _cfg(config)
-    names = [row.official for row in _MODEL_ROWS]
+    names = [name for row in _MODEL_ROWS for name in row.official_names]
     for i in range(cfg.num_layers):
         names += _layer_names(
             f"layers.{i}.", cfg.compress_ratios[i], cfg.is_hash_layer(i), cfg.n_routed_experts, in_mtp=False
@@ -313,5 +306,5 @@ def expected_official_names(config: Any, *, with_mtp: bool = True) -> list[str]:
         for k in range(cfg.num_mtp_layers):
             p = f"mtp.{k}."
             names += _layer_names(p, 0, False, cfg.n_routed_experts, in_mtp=True)
-            names += [p + row.official.removeprefix("mtp.*.") for row in _MTP_ROWS]
+            names += [name.replace("mtp.*.", p, 1) for row in _MTP_ROWS for name in row.official_names]
     return names

@@ -15,7 +15,6 @@ Importing this module does not import megatron (the launch scripts build recipes
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 
 from impl.conversion.hardware import FusedKernelDefaults, fused_kernel_defaults
 from impl.conversion.pipeline import Layout, generate_pipeline_layout, validate_pipeline_layout
+from impl.data_tables import checked_keys, read_table_file
 from impl.errors import UnsupportedConfigError
 from impl.lora.vocabulary import TARGET_TABLE
 
@@ -79,15 +79,12 @@ SHAPES_FILE = Path(__file__).with_name("model_shapes.toml")
 _SHAPE_KEYS = frozenset(f.name for f in fields(ModelShape))
 
 
-def _checked(entry: dict, where: str, keys: frozenset[str]) -> dict:
-    unknown, missing = sorted(set(entry) - keys), sorted(keys - set(entry))
-    if unknown or missing:
-        raise UnsupportedConfigError(f"{SHAPES_FILE.name}: {where}: unknown keys {unknown}, missing keys {missing}")
-    return entry
+def _checked(entry: Any, where: str, keys: frozenset[str]) -> dict:
+    return checked_keys(entry, f"{SHAPES_FILE.name}: {where}", UnsupportedConfigError, required=keys)
 
 
 def _load() -> tuple[dict[str, ModelShape], dict[str, TinyModel]]:
-    data = _checked(tomllib.loads(SHAPES_FILE.read_text()), "top level", frozenset({"full", "tiny"}))
+    data = _checked(read_table_file(SHAPES_FILE, UnsupportedConfigError), "top level", frozenset({"full", "tiny"}))
     full = _checked(data["full"], "[full]", frozenset({"flash", "pro"}))
     shapes = {name: ModelShape(**_checked(entry, f"[full.{name}]", _SHAPE_KEYS)) for name, entry in full.items()}
     tiny = {}
