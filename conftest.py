@@ -25,6 +25,7 @@ pytest_plugins = [
     "fixtures.data.tiny_checkpoint_cache",
     "fixtures.runner.rank_session",
     "fixtures.data.sparse_checkpoint",
+    "fixtures.conformance.plugin",
 ]
 
 REQUIRED_MARKERS = ("cpu", "gpu", "gpu32", "bench")
