@@ -58,3 +58,14 @@ def test_every_public_name_of_the_reference_resolves(impl):
         except AttributeError as exc:
             unresolved.append(f"{name}: {exc}")
     assert not unresolved, "public names that do not resolve:\n  " + "\n  ".join(unresolved)
+
+
+def test_the_driver_page_is_generated_from_the_driver_contract():
+    from fixtures.contract.driver_page import DRIVER_DOC, render_driver_page
+
+    section = DRIVER_DOC.section(DRIVER_DOC.path.read_text())
+    assert section is not None, "docs/driver.md lost its generated-section markers"
+    assert section == render_driver_page(), (
+        "docs/driver.md differs from dsv4_conformance.driver and the suites' needs markers: "
+        "run '.venv/bin/python scripts/contract.py --write'"
+    )
