@@ -17,9 +17,9 @@ import pytest
 
 from dsv4_conformance.driver import Layout, LoraSpec
 from dsv4_conformance.judge.artifacts import judge_adapter_dir
-from fixtures.conformance.programs import FaultCase, export_faults, export_killed
+from fixtures.conformance.programs import FaultCase, export_faults, export_killed, read_progress
 from fixtures.conformance.seams import FILE_OPS, INJECTED, Fault
-from fixtures.runner.multirank import RankFailure
+from fixtures.runner.multirank import MultiRankFailure, RankFailure
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.needs("build", "train_step", "export")]
 
@@ -34,11 +34,37 @@ FAULTS_GROUP = pytest.mark.xdist_group("conformance-faults")
 
 @pytest.fixture(scope="module")
 def faults(drive, driver_name, conformance_base, tmp_path_factory):
+    """Every discovered fault, one export each, in one run; what each rank filed, also when the run broke down."""
     root = tmp_path_factory.mktemp("faults")
     case = FaultCase(driver_name, str(conformance_base), str(root), LAYOUT, LoraSpec(), None, NAN_RANKS, TIMEOUT_S)
-    (payload, *_) = payloads = drive(export_faults, case, timeout_s=600)
-    runs = {run.fault: [p["runs"][i] for p in payloads] for i, run in enumerate(payload["runs"])}
-    return {"ops": payload["ops"], "runs": runs, "root": root}
+    breakdown = ""
+    try:
+        drive(export_faults, case, timeout_s=240)
+    except MultiRankFailure as failure:
+        breakdown = " ".join(str(failure).splitlines()[:3])[:600]
+    progress = read_progress(str(root))
+    labels = list(dict.fromkeys(run.fault for runs in progress.runs for run in runs))
+    runs = {
+        label: [next((r for r in rank_runs if r.fault == label), None) for rank_runs in progress.runs]
+        for label in labels
+    }
+    return {"ops": progress.ops, "runs": runs, "in_flight": set(progress.in_flight) - {None}, "breakdown": breakdown}
+
+
+def _runs(faults: dict, label_start: str, label_end: str = "") -> tuple[str, list]:
+    """The label and per-rank runs of the fault whose label starts (and ends) so; a fault the run broke down in, or
+    never reached because it broke down earlier, fails naming the breakdown."""
+    __tracebackhide__ = True
+    hits = [label for label in faults["runs"] if label.startswith(label_start) and label.endswith(label_end)]
+    for label in hits:
+        if all(faults["runs"][label]):
+            return label, faults["runs"][label]
+    flight = [label for label in faults["in_flight"] if label.startswith(label_start) and label.endswith(label_end)]
+    if flight or hits:
+        pytest.fail(f"{(flight or hits)[0]}: the ranks broke down during this export: {faults['breakdown']}")
+    if faults["breakdown"]:
+        pytest.fail(f"{label_start}...: not reached, the run broke down before it: {faults['breakdown']}")
+    return "", []
 
 
 def _writer(ops: list[list[str]]) -> int:
@@ -79,17 +105,16 @@ def _judge_recovered_or_failed(label, runs, failing_rank, cause_words, base, mar
 
 @FAULTS_GROUP
 def test_the_export_writes_under_its_destination(faults):
+    assert faults["ops"] is not None, f"the first, fault-free export did not finish: {faults['breakdown']}"
     assert any(faults["ops"]), "no rank was seen creating or writing a file under the destination"
 
 
 @FAULTS_GROUP
 @pytest.mark.parametrize("op", FILE_OPS)
 def test_a_failing_file_operation_fails_every_rank_and_changes_nothing(faults, op, conformance_base, driver, tmp_path):
-    found = [label for label in faults["runs"] if label.startswith(f"fail {op} on rank ")]
-    if not found:
+    label, runs = _runs(faults, f"fail {op} on rank ")
+    if not label:
         pytest.skip(f"the implementation does no {op} under the destination (seen: {faults['ops']})")
-    (label,) = found
-    runs = faults["runs"][label]
     assert runs[0].fired or any(r.fired for r in runs), f"{label}: the fault never fired"
     failing = int(label.rsplit(" ", 1)[1])
     cause = (INJECTED, "no space left")
@@ -100,8 +125,8 @@ def test_a_failing_file_operation_fails_every_rank_and_changes_nothing(faults, o
 @pytest.mark.needs("adapter_parameters")
 @pytest.mark.parametrize("rank", NAN_RANKS)
 def test_a_nan_in_one_ranks_adapter_fails_every_rank_and_changes_nothing(faults, rank):
-    (label,) = [label for label in faults["runs"] if label.startswith("NaN") and label.endswith(f"on rank {rank}")]
-    _judge_failed(label, faults["runs"][label], None, ("nan", "finite"))
+    label, runs = _runs(faults, "NaN in ", f"on rank {rank}")
+    _judge_failed(label, runs, None, ("nan", "finite"))
 
 
 def _killed(drive, driver_name, conformance_base, tmp_path, fault: Fault, expect=None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from dsv4_conformance.judge.artifacts import judge_adapter_dir
 from dsv4_conformance.judge.oracle import GRADIENT_RULE, base_model, oracle_gradients, read_adapter
 from fixtures.conformance.plugin import TRAIN_LAYOUTS, TRAINED_MARKS
 from fixtures.conformance.programs import LR, fixed_batch
@@ -30,6 +31,13 @@ def test_a_step_is_the_oracle_gradient_of_every_adapter_tensor(trained, layout, 
     import torch
 
     run = trained(layout)
+    for export in ("step1", "step2"):
+        unreadable = [
+            p for p in judge_adapter_dir(run["out"] / export, conformance_base) if p.check in ("files", "format")
+        ]
+        assert not unreadable, (
+            f"{layout}: the step is read from the exports, and {export} is not readable: {unreadable[0]}"
+        )
     step1, scale = read_adapter(run["out"] / "step1")
     step2, _ = read_adapter(run["out"] / "step2")
     assert set(step1) == set(step2) and step1, f"{layout}: the two exports hold different modules"
