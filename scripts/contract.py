@@ -4,8 +4,8 @@ and the capabilities a partial implementation may declare (fixtures/contract/cap
 of the conformance suites (fixtures/contract/driver_page.py) into docs/driver.md.
 
 .venv/bin/python scripts/contract.py            # print the two markdown tables
-.venv/bin/python scripts/contract.py --write    # put them into docs/implementing.md between their markers
-.venv/bin/python scripts/contract.py --check    # exit 1 when docs/implementing.md's tables differ
+.venv/bin/python scripts/contract.py --write    # put them into docs/reference_api.md between their markers
+.venv/bin/python scripts/contract.py --check    # exit 1 when docs/reference_api.md's tables differ
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fixtures.contract.suite_contract import CONTRACT_DOC, contract_names, optio
 
 
 def main() -> int:
-    parser = script_parser(__doc__, "docs/implementing.md")
+    parser = script_parser(__doc__, "docs/reference_api.md")
     args = parser.parse_args()
     contract = CONTRACT_DOC.apply(
         render_contract(contract_names(), optional_names()), write=args.write, check=args.check

@@ -1,73 +1,136 @@
-"""Megatron-Bridge's own LoRA (``megatron.bridge.peft.lora.LoRA``) on the native V4 graph, under the suites.
+"""Megatron-Bridge's own LoRA and adapter export, under the conformance suites.
 
-The worked example of docs/implementing.md. ``apply_lora`` hands the user's targets and exclusions to Bridge's
-``LoRA`` unchanged and calls it the way Bridge's training loop does (``training=True``); no qualification, no
-checks of ours. The native graph it is applied to, the config and the error types the suites name come from the
-reference implementation (:data:`BORROWED`): Bridge has no V4 graph of its own for this layout, and its LoRA raises
-no typed errors, so the suites' ``pytest.raises(impl.TargetError)`` see whatever Bridge does instead.
-
-Known gaps are ``xfails.txt`` next to this file; the report is docs/conformance/bridge_lora.md
-(``scripts/conformance_report.py``).
+What is Bridge's: the decision whether a config is DeepSeek-V4 (its bridge dispatch picks its own
+``DeepSeekV4Bridge``), which modules a target wraps and how (``megatron.bridge.peft.lora.LoRA`` applied as its training
+loop does, ``training=True``), and the export (``AutoBridge.save_hf_adapter``, Bridge's adapter streaming and PEFT
+writer). What is not: Megatron-Bridge 0.6.2 has no DeepSeek-V4 graph in this layout (its V4 bridge maps Megatron-Core's
+hybrid model, on MCore's dev branch), so the graph LoRA is applied to, its loader, forward and train step are the
+reference's (``impl``), and the model bridge ``save_hf_adapter`` uses for that graph's names is the reference's too.
+Known gaps: ``xfails.txt``; the report: docs/conformance/bridge_lora.md.
 """
 
 from __future__ import annotations
 
+import importlib.metadata as md
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import impl
-
-#: the one capability this module implements (fixtures/contract/capabilities.py)
-CAPABILITIES = frozenset({"lora-construction"})
-#: names taken from the reference implementation, not Bridge's: the graph LoRA is applied to and the error types
-BORROWED = ("compat_report", "V4Config", "DeepseekV4NativeModel", "TargetError", "MultiLoRAUnsupportedError")
-
-
-def __getattr__(name: str) -> Any:
-    # on first use, as the reference resolves its own names: reading CAPABILITIES imports no megatron
-    if name in BORROWED:
-        return getattr(impl, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__version__ = "megatron-bridge-lora"
+from dsv4_conformance.driver import Driver, Layout, LoraSpec
+from implementations.reference import ReferenceDriver, _api, _hf_config, _init_parallel, _official
 
 
 @dataclass
-class BridgeLoraHandle:
-    """What Bridge's ``LoRA`` recorded: the object itself and the parameters it would save."""
-
+class _BridgeModel:
+    chunks: list[Any]
     lora: Any
-    params_to_save: set[str]
+    report: Any
+    base: Path
 
 
-def apply_lora(
-    model_chunks: list[Any],
-    *,
-    targets: list[str],
-    exclude: list[str] | None = None,
-    rank: int,
-    alpha: float,
-    dropout: float = 0.0,
-    lora_A_init_method: str = "xavier",
-    lora_B_init_method: str = "zero",
-    **options: Any,
-) -> BridgeLoraHandle:
-    """Bridge's ``LoRA(target_modules=targets, exclude_modules=exclude, dim=rank, alpha=alpha, **options)`` applied
-    to each chunk with ``training=True``; an option Bridge's LoRA has no field for is Bridge's own ``TypeError``."""
-    impl.compat_report()
+def _bridge_lora(lora: LoraSpec) -> Any:
     from megatron.bridge.peft.lora import LoRA
 
-    lora = LoRA(
-        target_modules=list(targets),
-        exclude_modules=list(exclude or []),
-        dim=rank,
-        alpha=alpha,
-        dropout=dropout,
-        lora_A_init_method=lora_A_init_method,
-        lora_B_init_method=lora_B_init_method,
-        **options,
-    )
-    for chunk in model_chunks:
-        lora(chunk, training=True)
-    return BridgeLoraHandle(lora, set(lora.params_to_save))
+    return LoRA(target_modules=list(lora.targets), dim=lora.rank, alpha=lora.alpha)
+
+
+def _wrapped(model: Any) -> list[str]:
+    """The modules Bridge's LoRA wrapped: each holding an ``adapter`` it added."""
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    return [name for name, module in model.named_modules() if isinstance(module, LoRALinear)]
+
+
+class BridgeLoraDriver(Driver):
+    name = "Megatron-Bridge's own LoRA"
+    capabilities = frozenset({"detection", "targets", "lora", "export", "faults"})
+
+    def warm(self) -> None:
+        ReferenceDriver().warm()
+
+    def recognises(self, config: Mapping[str, Any]) -> bool:
+        _api().compat_report()
+        from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+
+        try:
+            bridge = get_model_bridge(list(config.get("architectures") or [])[0])
+        except Exception:  # Bridge knows no bridge for it
+            return False
+        return type(bridge).__name__ == "DeepSeekV4Bridge"
+
+    def qualify(self, targets: Sequence[str], config: Mapping[str, Any]) -> list[str]:
+        import torch
+
+        api = _api()
+        _init_parallel(api, Layout())
+        with torch.device("meta"):
+            model = api.DeepseekV4NativeModel(api.V4Config.from_hf(_hf_config(config)))
+            _bridge_lora(LoraSpec(tuple(targets), 2, 2.0))([model], training=True)
+        return [_official(api, name) for name in _wrapped(model)]
+
+    def build(self, base: Path, layout: Layout, lora: LoraSpec | None) -> _BridgeModel:
+        import torch
+
+        api = _api()
+        _init_parallel(api, layout)
+        loaded: dict[str, Any] = {}
+        peft = _bridge_lora(lora) if lora is not None else None
+
+        def load_base(chunks: list[Any]) -> list[Any]:
+            loaded["report"] = api.load_official_checkpoint(chunks, base)
+            return chunks
+
+        def apply_lora(chunks: list[Any]) -> list[Any]:
+            transformed = peft(chunks, training=True)
+            peft.set_params_to_save(transformed)
+            return transformed
+
+        hooks = [load_base] + ([apply_lora] if peft is not None else [])
+        chunks = api.build_native_model(
+            _hf_config(base),
+            tp=layout.tp,
+            ep=layout.ep,
+            pp=layout.pp,
+            pre_wrap_hooks=hooks,
+            wrap_with_ddp=True,
+            params_dtype=getattr(torch, layout.dtype),
+        )
+        return _BridgeModel(chunks, peft, loaded["report"], base)
+
+    def load_report(self, model: _BridgeModel) -> Any:
+        return ReferenceDriver().load_report(model)
+
+    def logits(self, model: _BridgeModel, input_ids: Any) -> Any:
+        return ReferenceDriver().logits(model, input_ids)
+
+    def train_step(self, model: _BridgeModel, input_ids: Any, labels: Any, lr: float) -> float:
+        return ReferenceDriver().train_step(model, input_ids, labels, lr)
+
+    def adapter_parameters(self, model: _BridgeModel) -> dict[str, Any]:
+        return ReferenceDriver().adapter_parameters(model)
+
+    def export(self, model: _BridgeModel, out_dir: Path, timeout_s: float) -> None:
+        from megatron.bridge import AutoBridge
+
+        api = _api()
+
+        class NativeAutoBridge(AutoBridge):  # Bridge's dispatch, with the reference's model bridge for this graph
+            @property
+            def _model_bridge(self) -> Any:
+                return api.DeepseekV4ConversionBridge()
+
+        bridge = NativeAutoBridge.from_hf_pretrained(str(model.base))
+        bridge.save_hf_adapter(
+            [c.module for c in model.chunks], out_dir, peft_config=model.lora, base_model_name_or_path=str(model.base)
+        )
+
+
+def _version() -> str:
+    try:
+        return md.version("megatron-bridge")
+    except md.PackageNotFoundError:
+        return "absent"
+
+
+DRIVER = BridgeLoraDriver(provenance=f"megatron-bridge {_version()} from the package index, on the reference's graph")

@@ -112,13 +112,15 @@ def test_the_export_writes_under_its_destination(faults):
 @FAULTS_GROUP
 @pytest.mark.parametrize("op", FILE_OPS)
 def test_a_failing_file_operation_fails_every_rank_and_changes_nothing(faults, op, conformance_base, driver, tmp_path):
-    label, runs = _runs(faults, f"fail {op} on rank ")
-    if not label:
-        pytest.skip(f"the implementation does no {op} under the destination (seen: {faults['ops']})")
-    assert runs[0].fired or any(r.fired for r in runs), f"{label}: the fault never fired"
-    failing = int(label.rsplit(" ", 1)[1])
-    cause = (INJECTED, "no space left")
-    _judge_recovered_or_failed(label, runs, failing, cause, conformance_base, driver.success_marker, tmp_path)
+    for into in ("existing", "fresh"):
+        label, runs = _runs(faults, f"fail {op} on rank ", f" into {into}")
+        if not label:
+            pytest.skip(f"the implementation does no {op} under the destination (seen: {faults['ops']})")
+        assert any(r.fired for r in runs), f"{label}: the fault never fired"
+        failing = int(label.split(" on rank ")[1].split()[0])
+        cause = (INJECTED, "no space left")
+        scratch = tmp_path / into
+        _judge_recovered_or_failed(label, runs, failing, cause, conformance_base, driver.success_marker, scratch)
 
 
 @FAULTS_GROUP
@@ -147,6 +149,8 @@ def test_a_gather_failing_on_one_rank_fails_every_rank_and_changes_nothing(
 def test_a_rank_killed_during_the_export_fails_every_survivor(
     faults, drive, driver_name, conformance_base, tmp_path, who
 ):
+    if faults["ops"] is None:
+        pytest.fail(f"the first, fault-free export did not finish: {faults['breakdown']}")
     writer = _writer(faults["ops"])
     rank = writer if who == "writer" else 1 - writer
     op = (

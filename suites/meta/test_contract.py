@@ -1,4 +1,4 @@
-"""The contract in docs/implementing.md is what the suites read, and the reference implementation provides it.
+"""The contract in docs/reference_api.md is what the suites read, and the reference implementation provides it.
 
 The list is generated from the suites' source (``fixtures/contract/suite_contract.py``), never from an implementation; a suite
 that starts reading a new name makes the document stale until ``scripts/contract.py --write`` is run."""
@@ -14,9 +14,9 @@ pytestmark = pytest.mark.cpu
 
 def test_the_documented_contract_is_the_generated_one():
     section = CONTRACT_DOC.section(CONTRACT_DOC.path.read_text())
-    assert section is not None, "docs/implementing.md lost its contract markers"
+    assert section is not None, "docs/reference_api.md lost its contract markers"
     assert section == render_contract(contract_names(), optional_names()), (
-        "docs/implementing.md's contract differs from what the suites read: run '.venv/bin/python scripts/contract.py --write'"
+        "docs/reference_api.md's contract differs from what the suites read: run '.venv/bin/python scripts/contract.py --write'"
     )
 
 
