@@ -38,7 +38,7 @@ TORCHRUN=(
 
 case "${DSV4_RUN:-qualify}" in
   qualify)
-    # The recipe's flags; suites/test_recipe.py checks they equal impl.recipe.flash_lora.to_qualify_args(recipe).
+    # The recipe's flags; suites/reference/test_recipe.py checks they equal impl.recipe.flash_lora.to_qualify_args(recipe).
     # --no-oracle: a transformers model of the whole base on rank 0 does not fit a host at full size.
     exec "${TORCHRUN[@]}" -m impl.cli qualify \
       --base "$DSV4_FLASH_CHECKPOINT" \
@@ -52,11 +52,11 @@ case "${DSV4_RUN:-qualify}" in
       --no-oracle
     ;;
   gpu32)
-    exec "${TORCHRUN[@]}" -m pytest -p no:cacheprovider -m gpu32 suites/test_gpu32.py -rs -x
+    exec "${TORCHRUN[@]}" -m pytest -p no:cacheprovider -m gpu32 suites/reference/test_gpu32.py -rs -x
     ;;
   gpu)
     # Single-node distributed suite under NCCL (NPROC_PER_NODE=8, NNODES=1).
-    exec "${TORCHRUN[@]}" -m pytest -p no:cacheprovider -m gpu suites/test_gpu.py --nproc "$WORLD" -rs
+    exec "${TORCHRUN[@]}" -m pytest -p no:cacheprovider -m gpu suites/reference/test_gpu.py --nproc "$WORLD" -rs
     ;;
   *)
     echo "DSV4_RUN must be qualify, gpu32 or gpu (got '${DSV4_RUN}')" >&2

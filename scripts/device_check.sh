@@ -90,12 +90,12 @@ fi
 run qualify-fp32 120 "$PYTHON" -m impl.cli qualify --preset tiny-mixed --out "$OUT/qualify-fp32" --timeout 100
 run qualify-bf16 120 "$PYTHON" -m impl.cli qualify --preset tiny-mixed --out "$OUT/qualify-bf16" --timeout 100 \
   --dtype bfloat16
-run gpu-marked-1gpu 60 "$PYTHON" -m pytest -p no:cacheprovider -q -rs -m gpu --nproc 1 suites/test_gpu.py suites/test_gpu_quantized_load.py
+run gpu-marked-1gpu 60 "$PYTHON" -m pytest -p no:cacheprovider -q -rs -m gpu --nproc 1 suites/reference/test_gpu.py suites/reference/test_gpu_quantized_load.py
 # (qualify in bf16 already ran above: its slow suite twin is left out)
 run device-suites 240 "$PYTHON" -m pytest -p no:cacheprovider -q -n 0 -m "cpu and not slow" \
-  suites/test_device_placement.py suites/test_bf16.py suites/test_activation_memory.py
+  suites/reference/test_device_placement.py suites/reference/test_bf16.py suites/reference/test_activation_memory.py
 run layer-memory 90 "$PYTHON" scripts/layer_memory.py "${LAYER_ARGS[@]}"
-run load-bench 120 "$PYTHON" -m pytest -p no:cacheprovider -q -s -n 0 -m bench suites/test_bench_load.py
+run load-bench 120 "$PYTHON" -m pytest -p no:cacheprovider -q -s -n 0 -m bench suites/reference/test_bench_load.py
 
 echo
 printf '%-18s %-20s %6s  %s\n' step result seconds log

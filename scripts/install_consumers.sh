@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install the other projects whose own code judges our exported adapters (the serving engines: suites/test_consumers.py)
-# or produces adapters we judge (NeMo AutoModel: suites/test_producer_nemo.py), each in an environment of its own:
+# Install the other projects whose own code judges our exported adapters (the serving engines: suites/reference/test_consumers.py)
+# or produces adapters we judge (NeMo AutoModel: suites/reference/test_producer_nemo.py), each in an environment of its own:
 # .consumers/<name> (ignored by git).
 #   scripts/install_consumers.sh [vllm] [sglang] [nemo-automodel]        default: all three
 # Each is Python 3.11 + requirements/{consumers,producers}-<name>.txt installed with --no-deps: the project's real wheel from

@@ -21,7 +21,7 @@ note() { local rc=$?; [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc; retu
 if [ "${1:-}" != bridge ]; then
   # the consumer environments' code is the same in every lane: their tests (consumer_env) run in the main lane only
   scripts/run_pin.sh independent -m "cpu and pin_independent and not consumer_env" "$@" || note
-  "$VENV/bin/python" -m pytest -m cpu -n 0 -q --xfails-file xfails/latest.txt suites/test_bridge_imports.py "$@" || note
+  "$VENV/bin/python" -m pytest -m cpu -n 0 -q --xfails-file xfails/latest.txt suites/reference/test_bridge_imports.py "$@" || note
   exit "$status"
 fi
 shift

@@ -2,7 +2,7 @@
 consumer version and dialect; and the fail-closed judgement an export for a consumer passes
 (:func:`consumer_verdict`, :func:`require_applied`, used by the exporter and ``verify-adapter --consumer``).
 
-Checked against the installed packages by ``suites/test_consumers.py``: probes run vLLM's and SGLang's own
+Checked against the installed packages by ``suites/reference/test_consumers.py``: probes run vLLM's and SGLang's own
 loading, name-mapping, packing, target-normalization and forward code on adapters this package exported
 (``fixtures/consumers``), and the suite fails for every cell where the engine's answer differs from a row here.
 So when an engine changes, this table must change with it. The rows name the engine's file and function
@@ -311,7 +311,7 @@ def require_applied(verdict: ConsumerVerdict) -> None:
 # ------------------------------------------------------------------------- adapters on other modules than the five
 
 #: PEFT wraps whatever ``nn.Linear`` its ``target_modules`` selects and the forward calls it, so a LoRA on any
-#: linear module of transformers' model is applied (``suites/test_producer_peft.py`` runs it). Kept apart from
+#: linear module of transformers' model is applied (``suites/reference/test_producer_peft.py`` runs it). Kept apart from
 #: :data:`CONSUMER_RULES`, whose every row the engines' own code is probed for.
 OFF_TARGET_PEFT = (
     "peft/tuners/lora/model.py:LoraModel._create_and_replace wraps the nn.Linear target_modules selects; "

@@ -16,7 +16,7 @@ the model's ``hf_to_vllm_mapper`` (``vllm/lora/utils.py:parse_fine_tuned_lora_na
 ``layers.N.attn.<leaf>`` into vLLM's own module path ``model.layers.N.attn.<leaf>`` (its leaves are the official
 ones; ``packed_modules_mapping`` packs ``wq_a``+``wkv`` from those same names). A name written the vLLM way would
 load identically, so a fourth dialect would add nothing; what vLLM does not apply (``wo_a``, MTP) no naming
-changes (see :mod:`impl.adapter.consumers`). ``suites/test_consumers.py`` checks the official names land on
+changes (see :mod:`impl.adapter.consumers`). ``suites/reference/test_consumers.py`` checks the official names land on
 vLLM's modules.
 
 Names translate both ways: :meth:`Dialect.module_name` writes a module path, :meth:`Dialect.parse_module` and

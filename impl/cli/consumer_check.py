@@ -1,6 +1,6 @@
 """``dsv4-lora verify-adapter --consumer`` and ``dsv4-lora export --consumer``: an adapter judged by the rules of the
 consumer that will load it (:data:`impl.adapter.consumers.CONSUMER_RULES`, checked against the consumers' own code
-by ``suites/test_consumers.py``).
+by ``suites/reference/test_consumers.py``).
 
 ``verify-adapter --consumer NAME`` reads the adapter's safetensors header only (names and metadata): every module
 is resolved to its dialect and target, and every target the consumer would not apply (loaded but not applied,

@@ -7,7 +7,7 @@ base tensors cost their bytes only; each adapter element costs its bf16 value + 
 
 Activations: :func:`layer_activation_bytes` is an analytic model of what autograd keeps for backward in one
 decoder layer of the native graph (frozen base, LoRA on the attention projections), written op by op from
-``impl/native`` (docs/memory_model.md lists every term); ``suites/test_memory_model.py`` checks it against the
+``impl/native`` (docs/memory_model.md lists every term); ``suites/reference/test_memory_model.py`` checks it against the
 saved-tensor bytes measured on tiny models. A stage keeps the activations of ``min(PP - stage, micro-batches)``
 micro-batches under a 1F1B schedule; full recompute keeps only each checkpointed group's input streams, plus, while
 a group is recomputed in backward, that group's activations and their gradients (counted as twice the largest

@@ -59,6 +59,14 @@ STAND_INS: dict[str, str] = {
     "sglang.srt.*) for rollout weight sync; the adapter-only V4 export never reaches SGLang",
 }
 
+#: where the released Megatron-Bridge differs from the fork Miles pins (radixark/Megatron-Bridge 7f0fb345, Miles'
+#: Dockerfile), each adapted by the driver, so what is judged is Miles' own code and not the version mismatch
+BRIDGE_FORK: dict[str, str] = {
+    "AutoBridge.export_adapter_weights": "the fork yields (name, tensor, base name) triples, which "
+    "save_lora_checkpoint unpacks; 0.6.2 yields (name, tensor) pairs, given here as triples with no base name "
+    "(Miles does not read it on this path)",
+}
+
 #: the Miles modules the driven path imports, warmed before a rank's clock starts
 MILES_MODULES = (
     "miles_plugins.megatron_bridge.deepseek_v4",
@@ -116,15 +124,15 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
-def _install_stand_ins() -> None:
+def _install_stand_ins(stand_ins: Mapping[str, str]) -> None:
     if any(isinstance(f, _StandInFinder) for f in sys.meta_path):
         return
-    absent = frozenset(name for name in STAND_INS if importlib.util.find_spec(name) is None)
+    absent = frozenset(name for name in stand_ins if importlib.util.find_spec(name) is None)
     if absent:
         sys.meta_path.insert(0, _StandInFinder(absent))
 
 
-def load_miles(env: str = ENV) -> Any:
+def load_miles(env: str = ENV, stand_ins: Mapping[str, str] = STAND_INS) -> Any:
     """This repo's CPU stand-ins first (megatron-core must see that TransformerEngine is absent before
     megatron.bridge imports), then the placeholders, then Miles' checkout at the end of ``sys.path`` (this
     repository's packages keep their names); returns ``impl``."""
@@ -133,7 +141,7 @@ def load_miles(env: str = ENV) -> Any:
         raise RuntimeError(why)
     api = importlib.import_module("impl")
     api.compat_report()
-    _install_stand_ins()
+    _install_stand_ins(stand_ins)
     where = str(Path(os.environ[env]).resolve())
     if where not in sys.path:
         sys.path.append(where)
@@ -272,6 +280,22 @@ def _as_gpt_model(chunks: list[Any], config: Any) -> None:
         model.share_embeddings_and_output_weights = bool(getattr(config, "tie_word_embeddings", False))
 
 
+def _as_bridge_fork() -> None:
+    """:data:`BRIDGE_FORK`: the released ``export_adapter_weights`` yielding the fork's triples."""
+    from megatron.bridge import AutoBridge
+
+    released = AutoBridge.export_adapter_weights
+    if getattr(released, "as_bridge_fork", False):
+        return
+
+    def export_adapter_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for name, tensor in released(self, *args, **kwargs):
+            yield name, tensor, None
+
+    export_adapter_weights.as_bridge_fork = True  # type: ignore[attr-defined]
+    AutoBridge.export_adapter_weights = export_adapter_weights
+
+
 # ------------------------------------------------------------------------------------------ the driver
 
 
@@ -361,6 +385,7 @@ class MilesV1Driver(Driver):
     def export(self, model: MilesModel, out_dir: Path, timeout_s: float) -> None:
         # Miles' export takes no timeout: its barriers wait as long as the default process group allows
         load_miles()
+        _as_bridge_fork()
         from miles.backends.megatron_utils.hf_export import save_hf_model
 
         save_hf_model(model.args, 0, model.chunks, path=out_dir, raise_on_error=True)
@@ -381,5 +406,7 @@ DRIVER = MilesV1Driver(
         "base loading, forward and training step are the reference implementation's (impl), Miles' native graph "
         "needing TransformerEngine and tile_kernels; import-only stand-ins for absent modules: "
         + ", ".join(sorted(STAND_INS))
+        + "; adapted to the Megatron-Bridge fork Miles pins: "
+        + ", ".join(sorted(BRIDGE_FORK))
     )
 )

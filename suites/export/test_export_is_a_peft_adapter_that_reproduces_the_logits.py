@@ -39,6 +39,8 @@ def test_peft_reloads_the_export_and_reproduces_the_trained_logits(trained, layo
     assert got is not None, f"{layout}: rank 0 returned no logits"
     ids, _ = fixed_batch(str(conformance_base), run["case"].seed)
     adapter_dir = run["out"] / "final"
+    unreadable = [p for p in judge_adapter_dir(adapter_dir, conformance_base) if p.check in ("files", "format")]
+    assert not unreadable, f"{layout}: PEFT cannot even read the export: {unreadable[0]}"
     want = peft_logits(conformance_base, adapter_dir, ids)
     tolerance = LOGIT_RULE.tolerance(want)
     adapter, scale = read_adapter(adapter_dir)

@@ -296,9 +296,9 @@ VIOLATIONS = {
 
 @pytest.mark.parametrize(("source", "what"), VIOLATIONS.values(), ids=list(VIOLATIONS))
 def test_the_boundary_scan_reports_a_violation_with_its_line(source, what):
-    found = scan_source(source, "suites/test_example.py")
+    found = scan_source(source, "suites/reference/test_example.py")
     assert [str(v) for v in found if what in str(v)], f"{what!r} not reported; found {[str(v) for v in found]}"
-    assert all(v.path == "suites/test_example.py" and v.line >= 1 for v in found)
+    assert all(v.path == "suites/reference/test_example.py" and v.line >= 1 for v in found)
 
 
 ALLOWED = {
@@ -314,7 +314,7 @@ ALLOWED = {
 
 @pytest.mark.parametrize("source", ALLOWED.values(), ids=list(ALLOWED))
 def test_the_boundary_scan_allows_public_api_and_other_objects(source):
-    assert scan_source(source, "suites/test_example.py") == []
+    assert scan_source(source, "suites/reference/test_example.py") == []
 
 
 # --- a deliberately broken copy of the implementation, run under --impl, must make the suite fail ---------------
@@ -331,22 +331,24 @@ def _drop_target_qualification(package_dir: Path) -> None:
 MUTANTS = {
     "grouped-peft-layer-scales-twice": pytest.param(
         TextMutation("lora/peft_loader.py", "* self.scaling[name]", "* 2 * self.scaling[name]"),
-        ("suites/test_export_format.py::test_grouped_o_a_proj_runs_unmerged_through_the_grouped_peft_layer",),
+        ("suites/reference/test_export_format.py::test_grouped_o_a_proj_runs_unmerged_through_the_grouped_peft_layer",),
         id="grouped-peft-layer-scales-twice",
     ),
     "targets-left-unqualified": pytest.param(
         _drop_target_qualification,
-        ("suites/test_target_qualifier.py::test_bare_wkv_never_matches_a_compressor",),
+        ("suites/reference/test_target_qualifier.py::test_bare_wkv_never_matches_a_compressor",),
         id="targets-left-unqualified",
     ),
     "provider-drops-the-pre-wrap-hooks": pytest.param(
         TextMutation("native/provider.py", "pre_wrap_hook=list(pre_wrap_hooks) or None,", "pre_wrap_hook=None,"),
-        ("suites/test_provider.py::test_ddp_is_built_after_the_pre_wrap_hook",),
+        ("suites/reference/test_provider.py::test_ddp_is_built_after_the_pre_wrap_hook",),
         id="provider-drops-the-pre-wrap-hooks",
     ),
     "train-step-never-steps": pytest.param(
         TextMutation("lora/training.py", "    optimizer.step()\n", "    pass\n"),
-        ("suites/test_recipe.py::test_gpu32_rank_function_trains_and_exports_the_tiny_variant_on_two_cpu_ranks",),
+        (
+            "suites/reference/test_recipe.py::test_gpu32_rank_function_trains_and_exports_the_tiny_variant_on_two_cpu_ranks",
+        ),
         id="gpu32-construction-train-step-never-steps",
     ),
     "export-skips-the-cross-rank-exchange": pytest.param(
@@ -354,7 +356,7 @@ MUTANTS = {
             "adapter/export.py", "failures = ex.agree(phase, status)", "failures = [status] if status else []"
         ),
         (
-            "suites/test_export_collective.py::"
+            "suites/reference/test_export_collective.py::"
             "test_failure_in_any_phase_on_any_rank_raises_the_same_error_everywhere_and_publishes_nothing[ws2-rank1-write]",
         ),
         id="export-fault-matrix-skips-the-cross-rank-exchange",

@@ -48,8 +48,8 @@ def test_the_documented_capabilities_are_the_table():
 
 def test_the_row_check_sees_a_file_in_no_row_and_one_in_two():
     """The two checks above on a deliberate violation: a new suite file nobody filed, and a folder row over a file."""
-    assert _rows_holding("suites/test_nobody_filed.py") == []
-    assert capability_of("suites/test_nobody_filed.py") is None
+    assert _rows_holding("suites/reference/test_nobody_filed.py") == []
+    assert capability_of("suites/reference/test_nobody_filed.py") is None
     assert _rows_holding("suites/meta/test_docs.py") == [HARNESS]
 
 
@@ -74,7 +74,8 @@ def _fake_impl(monkeypatch, capabilities) -> str:
 def test_an_undeclared_capabilitys_tests_are_skipped_naming_it(monkeypatch):
     name = _fake_impl(monkeypatch, frozenset({"export"}))
     declared, other, harness = (
-        _Item(f"{f}::test_x") for f in (BY_NAME["export"].files[0], "suites/test_cli.py", "suites/meta/test_docs.py")
+        _Item(f"{f}::test_x")
+        for f in (BY_NAME["export"].files[0], "suites/reference/test_cli.py", "suites/meta/test_docs.py")
     )
     skip_undeclared(name, [declared, other, harness])
     assert declared.markers == [] and harness.markers == [], "a declared capability and the harness always run"
@@ -92,7 +93,7 @@ def test_an_implementation_declaring_nothing_claims_everything(monkeypatch):
 def test_an_unknown_capability_is_a_usage_error_listing_the_known_ones(monkeypatch):
     name = _fake_impl(monkeypatch, frozenset({"export", "exporting"}))
     with pytest.raises(pytest.UsageError, match=r"\['exporting'\], which are not capabilities; the capabilities are"):
-        skip_undeclared(name, [_Item("suites/test_cli.py::test_x")])
+        skip_undeclared(name, [_Item("suites/reference/test_cli.py::test_x")])
 
 
 def test_the_conftest_skips_undeclared_tests_in_a_real_run(tmp_path):
@@ -103,15 +104,14 @@ def test_the_conftest_skips_undeclared_tests_in_a_real_run(tmp_path):
     shutil.copy(REPO_ROOT / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers -p no:cacheprovider\n")
     (tmp_path / "exporter_only.py").write_text("CAPABILITIES = frozenset({'export'})\n")
-    suites = tmp_path / "suites"
-    suites.mkdir()
+    (tmp_path / "suites" / "reference").mkdir(parents=True)
     test = "import pytest\n\npytestmark = pytest.mark.cpu\n\n\ndef test_it():\n    pass\n"
-    for path in ("suites/test_export_format.py", "suites/test_cli.py"):
+    for path in ("suites/reference/test_export_format.py", "suites/reference/test_cli.py"):
         (tmp_path / path).write_text(test)
     argv = [sys.executable, "-m", "pytest", "-n", "0", "-rA", "--impl", "exporter_only", "suites"]
     result = run(argv, timeout=120, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
     out = result.stdout + result.stderr
-    assert pytest_outcomes(out) == {"suites/test_export_format.py::test_it": "PASSED"}, out[-4000:]
-    skipped = "SKIPPED [1] suites/test_cli.py: exporter_only does not declare capability 'cli'; it declares ['export']"
+    assert pytest_outcomes(out) == {"suites/reference/test_export_format.py::test_it": "PASSED"}, out[-4000:]
+    skipped = "SKIPPED [1] suites/reference/test_cli.py: exporter_only does not declare capability 'cli'; it declares ['export']"
     assert skipped in out, out[-4000:]
     assert "1 passed, 1 skipped" in out and result.returncode == 0, out[-4000:]

@@ -1,4 +1,5 @@
-"""The implementation never reads the oracle: no module of the implementation imports ``tiny_models`` or ``fixtures``.
+"""The implementation never reads the oracle: no module of the implementation imports ``tiny_models``, ``fixtures`` or
+the conformance judge (``dsv4_conformance``).
 
 A name table, shape rule or expected value shared by the implementation and the suite's oracle hides every bug in
 it. Allowed, by exact module and imported name: the command line writes its embedded default base and the
@@ -15,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.cpu
 
-ORACLE_PACKAGES = ("tiny_models", "fixtures")
+ORACLE_PACKAGES = ("tiny_models", "fixtures", "dsv4_conformance")
 #: (module file relative to the implementation package, imported module, imported name)
 ALLOWED = {
     ("cli/qualify.py", "tiny_models.oracle", "write_checkpoint"),

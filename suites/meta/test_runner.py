@@ -126,7 +126,7 @@ def _rank_nested_gives_up(rank: int, world_size: int, case: GiveUpCase) -> str:
 
 def _rank_nested_in_its_own_test(rank: int, world_size: int, case: Case) -> str:
     # Under torchrun each rank's pytest passes its test id: here rank r claims to run test r (drifted collections).
-    with rank_world(CPU_WORLD, label=f"suites/test_x.py::test_{rank}"):
+    with rank_world(CPU_WORLD, label=f"suites/reference/test_x.py::test_{rank}"):
         try:
             run_ranks(_rank_allreduce, case, nproc=world_size, timeout_s=10)
         except MultiRankFailure as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4_conformance.driver import Layout, LoraSpec
+from dsv4_conformance.judge.artifacts import judge_adapter_dir
 from fixtures.conformance.programs import DriverCase, import_round_trip
 
 pytestmark = [
@@ -23,6 +24,11 @@ def test_an_imported_export_is_the_trained_adapter(drive, driver_name, conforman
 
     case = DriverCase(driver_name, str(conformance_base), layout, LoraSpec(), str(tmp_path))
     (payload, *_) = drive(import_round_trip, case, timeout_s=300)
+    for export in ("trained", "again"):
+        unreadable = [
+            p for p in judge_adapter_dir(tmp_path / export, conformance_base) if p.check in ("files", "format")
+        ]
+        assert not unreadable, f"{layout}: the {export} export is not a readable adapter: {unreadable[0]}"
     assert torch.equal(payload["trained"], payload["imported"]), (
         f"{layout}: the imported model's logits differ from the trained one's by "
         f"{(payload['trained'] - payload['imported']).abs().max():.3e}"

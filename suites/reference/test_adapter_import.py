@@ -23,7 +23,7 @@ from tiny_models.presets import get_preset
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("training-loop")]
 
 DIALECTS = ("transformers", "official", "sglang")
-#: units of eps(float32) * max|logits| between two layouts' fp32 forwards (suites/test_training_resume.py)
+#: units of eps(float32) * max|logits| between two layouts' fp32 forwards (suites/reference/test_training_resume.py)
 ULPS = 256
 
 

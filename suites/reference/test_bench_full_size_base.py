@@ -7,9 +7,9 @@ and next to the floor: a bare interpreter reading the same headers as JSON. ``ve
 first check (an empty digest cache: each large targeted weight compared by its sampled pages, docs/fingerprint.md),
 with ``--full-hash`` (the 4.4 GB of targeted weights hashed, their digests remembered: :mod:`impl.conversion.digests`)
 and after it (every byte compared, by the remembered digests); a mismatching base (one byte of one targeted weight
-changed in a shard written just now) is compared by samples and then hashed. What the commands answer is ``suites/test_full_size_base.py``'s to judge. Run explicitly::
+changed in a shard written just now) is compared by samples and then hashed. What the commands answer is ``suites/reference/test_full_size_base.py``'s to judge. Run explicitly::
 
-    .venv/bin/python -m pytest -q -s -m bench suites/test_bench_full_size_base.py
+    .venv/bin/python -m pytest -q -s -m bench suites/reference/test_bench_full_size_base.py
 
 Prints figures; never asserts on time or memory.
 """

@@ -35,7 +35,7 @@ from tiny_models.presets import get_preset
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("training-loop")]
 
 #: units of eps(float32) * max|logits|: two fp32 forwards of one function at two layouts (qualify's reload figure,
-#: the analysis in suites/test_adapter_roundtrip.py); the same units of eps * |loss| for a loss
+#: the analysis in suites/reference/test_adapter_roundtrip.py); the same units of eps * |loss| for a loss
 ULPS = 256
 
 

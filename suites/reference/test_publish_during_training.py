@@ -1,7 +1,7 @@
 """Publishing to rollout from a training run, on every rank: ``AdapterPublisher.publish_model``
 after each Adam step of a real native run (``fixtures.ranks.loop_rank_fns``), and one rank's failure during a
 publication. The single-process publisher's contract (versions, copies, checksums, vLLM's in-memory load) is
-``suites/test_publish_every_step.py``.
+``suites/reference/test_publish_every_step.py``.
 """
 
 from __future__ import annotations

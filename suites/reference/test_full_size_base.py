@@ -4,7 +4,7 @@ The base is the Flash manifest as a sharded checkpoint of sparse files (``fixtur
 headers, FP8 scale companions, MXFP4 experts, the index, the published ``config.json``; ~160 GB on paper, a few MB on
 disk); the adapter is a Flash-size rank-16 LoRA of the five main projections of all 43 layers. Each command runs as a
 user runs it, in a fresh interpreter; these tests judge what it answers. How long it takes and how much memory it
-holds is the benchmark's business (``suites/test_bench_full_size_base.py`` states the goals and prints the figures),
+holds is the benchmark's business (``suites/reference/test_bench_full_size_base.py`` states the goals and prints the figures),
 because a shared, loaded host decides those, not the code. The figures of every run are printed here too (``-s``).
 """
 

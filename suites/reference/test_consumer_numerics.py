@@ -13,7 +13,7 @@ files of the same adapters (``fixtures/consumers/numerics.py``). Five adapters a
 tolerance in the same run.
 
 Which targets vLLM applies is impl's table (``impl.consumer_rule``), itself checked against vLLM's code by
-``suites/test_consumers.py``: applied targets must match PEFT; for ``loaded_not_applied`` ones the fraction of
+``suites/reference/test_consumers.py``: applied targets must match PEFT; for ``loaded_not_applied`` ones the fraction of
 PEFT's delta vLLM's output carries is measured and must stay about 0 (1 means vLLM now applies it: the table
 must change). Stand-ins: only where a kernel cannot run on a CPU host, named in
 ``fixtures/consumers/stand_ins.py`` (``KERNEL_STAND_INS``) and in the probe's report.

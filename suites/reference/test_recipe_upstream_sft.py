@@ -26,7 +26,7 @@ RECOMPUTE = (
     "the LoRA recipe trains the native V4 graph (Miles layout, frozen base): at micro-batch 1 x 4096 tokens with 4 "
     "micro-batches in flight its stage-0 rank would keep ~241 GB of activations without whole-layer recompute "
     "(upstream's selective moe_act/mhc spares only those two parts) and keeps ~45 GB with it "
-    "(recipes/deepseek_v4_flash_lora.md, memory table; suites/test_memory_model.py)"
+    "(recipes/deepseek_v4_flash_lora.md, memory table; suites/reference/test_memory_model.py)"
 )
 
 

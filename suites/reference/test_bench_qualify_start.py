@@ -5,7 +5,7 @@ system, from the children's resource usage: the host is shared, so wall time alo
 the largest process, the host's load average, and each step's own timed progress line. Goal: under 30 s wall on
 the 2-core CPU host. Run explicitly::
 
-    .venv/bin/python -m pytest -q -s -m bench suites/test_bench_qualify_start.py
+    .venv/bin/python -m pytest -q -s -m bench suites/reference/test_bench_qualify_start.py
 
 Prints figures; never asserts on time.
 """

@@ -1,7 +1,7 @@
 """Benchmark: exporting a DeepSeek-V4-Flash-sized adapter vs a plain ``safetensors.torch.save_file``.
 
 Rank 16 on the five attention targets of 43 layers, real shapes, bf16 (~94 MB). Run explicitly:
-``.venv/bin/python -m pytest -q -s -m bench suites/test_bench_export.py``. Prints, for 1 and 4 ranks side by side,
+``.venv/bin/python -m pytest -q -s -m bench suites/reference/test_bench_export.py``. Prints, for 1 and 4 ranks side by side,
 medians, throughput, peak extra RSS and ratios; never asserts on time. The baseline that matters is
 ``save_file`` followed by ``fsync`` (the export must be durable, a plain save is not): targets export <= 1.5x of it
 at 1 rank and <= 2x at 4 ranks; peak extra memory < 2x the adapter bytes. Each repeat times the three side by

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 PRESET = "tiny-tp"  # every TP / EP split of it is even
 #: Units of eps(float32) * max|oracle logits|: the sharded native forward and transformers' are two fp32 forwards
 #: of one function, differing by rounding relative to the logits' scale; the same figure as the single-rank
-#: property test (suites/test_native_oracle_property.py), whose docstring holds the analysis.
+#: property test (suites/reference/test_native_oracle_property.py), whose docstring holds the analysis.
 LOGIT_ULPS = 128
 FP32_FAMILIES = ("hc_attn_fn", "hc_ffn_base", "hc_head_scale", "attn.attn_sink", "compressor.ape", "ffn.gate.bias")
 

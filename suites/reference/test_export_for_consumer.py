@@ -3,7 +3,7 @@
 An export for vLLM 0.33 / SGLang 0.5.23 / PEFT (``consumer=``) that the consumer would silently not apply, skip or
 misroute raises a typed error naming consumer, version, target and why, through the export protocol's fail-closed
 path: nothing is published, no ``.complete``, an earlier export at the destination untouched. The expected
-verdicts are the engines' own (their code, read by ``suites/test_consumers.py``: vLLM's o-projection hands
+verdicts are the engines' own (their code, read by ``suites/reference/test_consumers.py``: vLLM's o-projection hands
 ``wo_a``'s weight to ``deep_gemm_fp8_o_proj``; its ``lora_skip_prefixes`` drops ``mtp.``; its loader refuses
 transformers' leaf names; SGLang's V4 model has no LoRA hooks). ``allow_unapplied=True`` exports anyway and
 records those targets in the safetensors metadata ``dsv4_consumer``.

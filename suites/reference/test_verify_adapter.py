@@ -71,7 +71,7 @@ def test_an_exported_adapter_is_certified(impl, exported):
 
 def test_verify_adapter_reads_without_importing_torch(impl, exported):
     """The checks read bytes, shapes and dtypes: importing torch would cost the command about a second and
-    ~500 MB before it reads anything (``pytest -m bench -s suites/test_bench_full_size_base.py``)."""
+    ~500 MB before it reads anything (``pytest -m bench -s suites/reference/test_bench_full_size_base.py``)."""
     from fixtures.runner.subproc import cli_imports
 
     base, adapter = exported

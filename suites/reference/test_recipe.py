@@ -114,7 +114,7 @@ def test_fused_kernel_defaults_follow_the_hardware_gate_when_the_recipe_is_built
     simulate_dsa_kernels(monkeypatch, installed=True)  # DSA fusion also needs its packages (test_detection.py)
     recipe = impl.deepseek_v4_flash_lora_recipe()
     got = (recipe.fused.use_fused_mhc, recipe.fused.apply_dsa_kernel_fusion)
-    # DSA stays unfused on every host, as in upstream's Flash SFT recipes (suites/test_recipe_upstream_sft.py)
+    # DSA stays unfused on every host, as in upstream's Flash SFT recipes (suites/reference/test_recipe_upstream_sft.py)
     assert got == (fused, False), f"cuda={cuda} capability major={major}: fused defaults {got}, want {fused}"
     assert recipe.fused.use_fused_mhc == impl.fused_kernel_defaults().use_fused_mhc
     assert impl.tiny_variant(recipe).fused == recipe.fused, "the tiny variant must apply the same gate"
@@ -340,26 +340,26 @@ def test_recipe_doc_names_every_launch_script_and_the_checkpoint_variable():
 
 GPU_IDS = [
     *(
-        f"suites/test_gpu.py::{test}[{layout}]"
+        f"suites/reference/test_gpu.py::{test}[{layout}]"
         for test in (
             "test_load_then_export_is_bit_exact_and_logits_match_oracle_under_nccl",
             "test_trained_lora_logits_equal_merged_oracle_under_nccl",
         )
         for layout in ("ep8", "pp2-ep4", "tp2-ep4", "tp4-pp2")
     ),
-    "suites/test_gpu32.py::test_flash_recipe_loads_the_real_checkpoint_strictly_on_every_rank",
-    "suites/test_gpu32.py::test_flash_recipe_lora_updates_are_finite_and_nonzero_on_every_rank",
-    "suites/test_gpu32.py::test_flash_recipe_adapter_passes_verify_adapter_cli",
+    "suites/reference/test_gpu32.py::test_flash_recipe_loads_the_real_checkpoint_strictly_on_every_rank",
+    "suites/reference/test_gpu32.py::test_flash_recipe_lora_updates_are_finite_and_nonzero_on_every_rank",
+    "suites/reference/test_gpu32.py::test_flash_recipe_adapter_passes_verify_adapter_cli",
 ]
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"]
 
 
 def test_gpu_suites_collect_on_a_cpu_host_and_skip_with_the_cuda_reason():
     """One subprocess (collection is slow, docs/performance.md): every expected id is collected and skipped."""
-    result = run([*PYTEST, "-v", "-rs", "-m", "gpu or gpu32", "suites/test_gpu.py", "suites/test_gpu32.py"],
+    result = run([*PYTEST, "-v", "-rs", "-m", "gpu or gpu32", "suites/reference/test_gpu.py", "suites/reference/test_gpu32.py"],
                  timeout=180)  # fmt: skip
     assert result.returncode == 0, f"pytest -m 'gpu or gpu32' failed:\n{result.stdout[-4000:]}\n{result.stderr[-3000:]}"
-    lines = [line for line in result.stdout.splitlines() if line.startswith("suites/test_gpu")]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("suites/reference/test_gpu")]
     collected = {line.split()[0] for line in lines}
     assert collected == set(GPU_IDS), f"missing {set(GPU_IDS) - collected}; unexpected {collected - set(GPU_IDS)}"
     if not torch.cuda.is_available():

@@ -59,7 +59,7 @@ def test_default_qualify_passes_and_reports_every_check(dsv4, qualified):
     failed = [c for c in report["checks"] if c["passed"] is not True]
     assert not failed, f"checks not passed: {failed}"
     assert set(report["versions"]) >= {"torch", "megatron-core", "megatron-bridge", "transformers", "peft"}
-    # what an untested version would add (suites/test_tested_versions.py): the main lane ran these
+    # what an untested version would add (suites/reference/test_tested_versions.py): the main lane ran these
     assert "untested_versions" in report, sorted(report)
     assert (qualified / "adapter" / ".complete").exists()
     reload = _check(report, "reload")["detail"]

@@ -2,11 +2,11 @@
 
 On GPUs (NCCL)::
 
-    torchrun --nproc-per-node 8 -m pytest -m gpu suites/test_gpu_rank_failure.py -rs
+    torchrun --nproc-per-node 8 -m pytest -m gpu suites/reference/test_gpu_rank_failure.py -rs
 
 Rehearsed on the CPU (torchrun's ranks on gloo; ``.ci/run`` does this)::
 
-    torchrun --nproc-per-node 4 -m pytest -m gpu --rehearse suites/test_gpu_rank_failure.py
+    torchrun --nproc-per-node 4 -m pytest -m gpu --rehearse suites/reference/test_gpu_rank_failure.py
 
 Under torchrun each rank's pytest runs this test: rank ``nproc - 1`` raises while its peers wait in an all-reduce.
 Every peer prints ``[rank r] rank <f>: ValueError: ...`` as soon as the failure is posted, its collective then

@@ -19,7 +19,7 @@ from tiny_models.presets import get_preset, min_seq_len
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("lora-e2e")]
 
 PRESET = "tiny-tp"
-BASE_SEED = 5  # the same run as suites/test_adapter_roundtrip.py (shared within one process)
+BASE_SEED = 5  # the same run as suites/reference/test_adapter_roundtrip.py (shared within one process)
 R = 4
 COLUMN, ROW, REPLICATED = ("wq_b", "wo_a"), ("wo_b",), ("wq_a", "wkv")
 #: units of eps(float32) * the clip bound for the clipped update's norm: the fp32 sums of squares behind the norm

@@ -11,7 +11,7 @@ core (the suite's pytest runs pin it to one thread per worker; a loading rank ha
 bf16 (header validation, dequantization, mapping, copy into the parameters). GB/s counts file bytes. Goal: bridge
 >= 0.5x the raw read's throughput. Run explicitly::
 
-    .venv/bin/python -m pytest -q -s -m bench suites/test_bench_load.py
+    .venv/bin/python -m pytest -q -s -m bench suites/reference/test_bench_load.py
 
 Prints medians of interleaved runs; never asserts on time.
 """

@@ -5,7 +5,7 @@ Run as ranks (each pytest process is one rank; ``run_ranks`` runs in-process on 
     DSV4_RUN=gpu32 DSV4_FLASH_CHECKPOINT=/data/DeepSeek-V4-Flash sbatch recipes/launch_slurm.sbatch
 
 Skipped without CUDA (conftest) and without ``$DSV4_FLASH_CHECKPOINT`` (reason printed with ``-rs``).
-One build per session (``fixtures/ranks/recipe_rank_fns.py``, which ``suites/test_recipe.py`` also runs on the tiny
+One build per session (``fixtures/ranks/recipe_rank_fns.py``, which ``suites/reference/test_recipe.py`` also runs on the tiny
 variant on two CPU ranks): strict load, a few Adam steps on the adapters, adapter-only export, then the
 ``dsv4-lora verify-adapter`` command line on the published directory.
 """

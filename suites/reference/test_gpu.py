@@ -2,13 +2,13 @@
 
 Run as ranks (every pytest process is one rank; ``run_ranks`` then runs in-process on NCCL)::
 
-    torchrun --nproc-per-node 8 -m pytest -p no:cacheprovider -m gpu suites/test_gpu.py --nproc 8 -rs
+    torchrun --nproc-per-node 8 -m pytest -p no:cacheprovider -m gpu suites/reference/test_gpu.py --nproc 8 -rs
 
 (``DSV4_RUN=gpu NNODES=1 recipes/launch_torchrun.sh`` does the same; plain ``pytest -m gpu --nproc 8`` spawns 8
 NCCL ranks instead, never gloo ones.) Layouts that do not factor ``--nproc`` are skipped with the reason. Without
 CUDA, conftest skips every test here, except in the CPU rehearsal (gloo, CPU; ``.ci/run``)::
 
-    torchrun --standalone --nproc-per-node 4 -m pytest -m gpu --rehearse suites/test_gpu*.py
+    torchrun --standalone --nproc-per-node 4 -m pytest -m gpu --rehearse suites/reference/test_gpu*.py
 """
 
 from __future__ import annotations

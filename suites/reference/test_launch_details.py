@@ -5,7 +5,7 @@
 * ``impl``'s compat layer installs without ``megatron.training`` (source-built containers may lack it);
 * a Transformer Engine that is installed but does not import is reported as such, with its cause.
 
-(Full-size launches run qualify without the transformers oracle: ``suites/test_recipe.py``.)
+(Full-size launches run qualify without the transformers oracle: ``suites/reference/test_recipe.py``.)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fixtures.runner.subproc import REPO_ROOT, pythonpath_first, run
 pytestmark = pytest.mark.cpu
 
 SBATCH = REPO_ROOT / "recipes" / "launch_slurm.sbatch"
-GPU32 = REPO_ROOT / "suites" / "test_gpu32.py"
+GPU32 = REPO_ROOT / "suites" / "reference" / "test_gpu32.py"
 PINNED = re.compile(r"^[A-Za-z0-9_.\-\[\]]+==[A-Za-z0-9_.+\-]+$")
 
 
@@ -47,7 +47,7 @@ def test_slurm_allocation_outlasts_the_gpu32_timeout():
     allocated = _sbatch_seconds(SBATCH.read_text())
     needed = _module_constant(GPU32, "TIMEOUT_S")
     assert allocated > needed, (
-        f"{SBATCH.name} asks {allocated / 3600:.1f} h but suites/test_gpu32.py allows {needed / 3600:.1f} h: Slurm "
+        f"{SBATCH.name} asks {allocated / 3600:.1f} h but suites/reference/test_gpu32.py allows {needed / 3600:.1f} h: Slurm "
         "would kill the job before the test's timeout reports which rank hung"
     )
 

@@ -3,7 +3,7 @@
 verify-adapter lists every target the consumer would not apply (a problem line naming consumer, version,
 dialect, target, status and the consumer's reason) and exits 1; it exits 0 when the consumer applies all of them.
 export re-publishes an adapter for a consumer and fails closed (exit 1, nothing at ``--out``) unless
-``--allow-unapplied``. Expected verdicts are the engines' (see ``suites/test_consumers.py``).
+``--allow-unapplied``. Expected verdicts are the engines' (see ``suites/reference/test_consumers.py``).
 """
 
 from __future__ import annotations
