@@ -61,7 +61,9 @@ def main() -> int:
         print(f"conformance_report: {driver} ran in {time.monotonic() - started:.0f}s", file=sys.stderr)
         if run.returncode != 0:
             print(run.output[-6000:], file=sys.stderr)
-            print(f"conformance_report: {driver}'s run failed (pytest exit {run.returncode}); see above", file=sys.stderr)
+            print(
+                f"conformance_report: {driver}'s run failed (pytest exit {run.returncode}); see above", file=sys.stderr
+            )
             status = max(status, 3)
             continue
         status = max(status, report_doc(driver).apply(render_report(run), write=args.write, check=args.check))

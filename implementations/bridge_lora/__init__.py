@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_conformance.driver import Driver, Layout, LoraSpec
-from implementations.reference import ReferenceDriver, _api, _hf_config, _init_parallel, _official
+from implementations.reference import ReferenceDriver, _api, _hf_config, _init_parallel, _official, build_graph
 
 
 @dataclass
@@ -70,33 +70,15 @@ class BridgeLoraDriver(Driver):
         return [_official(api, name) for name in _wrapped(model)]
 
     def build(self, base: Path, layout: Layout, lora: LoraSpec | None) -> _BridgeModel:
-        import torch
-
-        api = _api()
-        _init_parallel(api, layout)
-        loaded: dict[str, Any] = {}
         peft = _bridge_lora(lora) if lora is not None else None
-
-        def load_base(chunks: list[Any]) -> list[Any]:
-            loaded["report"] = api.load_official_checkpoint(chunks, base)
-            return chunks
 
         def apply_lora(chunks: list[Any]) -> list[Any]:
             transformed = peft(chunks, training=True)
             peft.set_params_to_save(transformed)
             return transformed
 
-        hooks = [load_base] + ([apply_lora] if peft is not None else [])
-        chunks = api.build_native_model(
-            _hf_config(base),
-            tp=layout.tp,
-            ep=layout.ep,
-            pp=layout.pp,
-            pre_wrap_hooks=hooks,
-            wrap_with_ddp=True,
-            params_dtype=getattr(torch, layout.dtype),
-        )
-        return _BridgeModel(chunks, peft, loaded["report"], base)
+        chunks, report = build_graph(_api(), base, layout, apply_lora if peft is not None else None)
+        return _BridgeModel(chunks, peft, report, base)
 
     def load_report(self, model: _BridgeModel) -> Any:
         return ReferenceDriver().load_report(model)

@@ -329,58 +329,31 @@ class MilesV1Driver(Driver):
         return [_official(api, name) for name in bridge_selection(lora, walk_names(model))]
 
     def build(self, base: Path, layout: Layout, lora: LoraSpec | None) -> MilesModel:
-        import torch
-
-        from implementations.reference import _init_parallel
+        from implementations.reference import _init_parallel, build_graph
 
         api = load_miles()
         _init_parallel(api, layout)
         args = miles_args(str(base), lora, bf16=layout.dtype == "bfloat16")
-        _set_miles_parallel_state(args)
-
-        def load_base(chunks: list[Any]) -> list[Any]:
-            api.load_official_checkpoint(chunks, base)  # strict; its report is the reference's, not Miles'
-            return chunks
-
-        hooks: list[Any] = [load_base]
-        if lora is not None:
-            hooks.append(miles_pre_wrap_hook(api, args))
-        config = hf_config(base)
-        chunks = api.build_native_model(
-            config,
-            tp=layout.tp,
-            ep=layout.ep,
-            pp=layout.pp,
-            pre_wrap_hooks=hooks,
-            wrap_with_ddp=True,
-            params_dtype=getattr(torch, layout.dtype),
-        )
-        _as_gpt_model(chunks, config)
+        _set_miles_parallel_state(args)  # before the hook: Miles' LoRA reads it
+        hook = miles_pre_wrap_hook(api, args) if lora is not None else None
+        chunks, _ = build_graph(api, base, layout, hook, initialise=False)  # its load report is the reference's
+        _as_gpt_model(chunks, hf_config(base))
         return MilesModel(chunks, args, base)
 
     def logits(self, model: MilesModel, input_ids: Any) -> Any:
-        import torch
+        from implementations.reference import ReferenceDriver
 
-        from implementations.reference import _positions
-
-        (chunk,) = model.chunks
-        chunk.eval()
-        with torch.no_grad():
-            return load_miles().ManualPipeline(chunk).run(input_ids, _positions(input_ids)).float()
+        return ReferenceDriver().logits(model, input_ids)
 
     def train_step(self, model: MilesModel, input_ids: Any, labels: Any, lr: float) -> float:
-        import torch
+        from implementations.reference import ReferenceDriver
 
-        from implementations.reference import _positions
-
-        optimizer = torch.optim.SGD(list(self.adapter_parameters(model).values()), lr=lr)
-        return load_miles().adapter_train_step(
-            model.chunks, input_ids, optimizer, labels=labels, position_ids=_positions(input_ids)
-        )
+        return ReferenceDriver().train_step(model, input_ids, labels, lr)
 
     def adapter_parameters(self, model: MilesModel) -> dict[str, Any]:
-        (chunk,) = model.chunks
-        return {n: p for n, p in chunk.named_parameters() if p.requires_grad}
+        from implementations.reference import ReferenceDriver
+
+        return ReferenceDriver().adapter_parameters(model)
 
     def export(self, model: MilesModel, out_dir: Path, timeout_s: float) -> None:
         # Miles' export takes no timeout: its barriers wait as long as the default process group allows

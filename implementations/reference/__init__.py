@@ -46,10 +46,14 @@ def _init_parallel(api: Any, layout: Layout) -> None:
 
 
 def _hf_config(config: Mapping[str, Any] | Path) -> Any:
-    from transformers import AutoConfig, DeepseekV4Config
+    """transformers' ``DeepseekV4Config`` itself, never through ``AutoConfig`` (whose registry another
+    implementation driven in the same process may have changed: Miles' ``load_hf_config`` does)."""
+    import json
+
+    from transformers import DeepseekV4Config
 
     if isinstance(config, Path):
-        return AutoConfig.from_pretrained(config)
+        config = json.loads((config / "config.json").read_text())
     return DeepseekV4Config.from_dict(dict(config))
 
 
@@ -63,6 +67,34 @@ def _positions(ids: Any) -> Any:
     import torch
 
     return torch.arange(ids.shape[1]).unsqueeze(0)
+
+
+def build_graph(
+    api: Any, base: Path, layout: Layout, lora_hook: Any = None, *, initialise: bool = True
+) -> tuple[list[Any], Any]:
+    """The reference's native graph of ``base`` at ``layout`` (strict load, then ``lora_hook`` before DDP): its
+    chunks and load report. Other drivers whose own graph cannot be built here apply their LoRA to it
+    (``initialise=False``: Megatron's parallel state is already the layout's, set up by the caller)."""
+    import torch
+
+    if initialise:
+        _init_parallel(api, layout)
+    loaded: dict[str, Any] = {}
+
+    def load_base(chunks: list[Any]) -> list[Any]:
+        loaded["report"] = api.load_official_checkpoint(chunks, base)
+        return chunks
+
+    chunks = api.build_native_model(
+        _hf_config(base),
+        tp=layout.tp,
+        ep=layout.ep,
+        pp=layout.pp,
+        pre_wrap_hooks=[load_base] + ([lora_hook] if lora_hook is not None else []),
+        wrap_with_ddp=True,
+        params_dtype=getattr(torch, layout.dtype),
+    )
+    return chunks, loaded["report"]
 
 
 class ReferenceDriver(Driver):
@@ -90,30 +122,12 @@ class ReferenceDriver(Driver):
         return [_official(api, n) for chunk in handle.wrapped for n in chunk]
 
     def build(self, base: Path, layout: Layout, lora: LoraSpec | None) -> _Model:
-        import torch
-
         api = _api()
-        _init_parallel(api, layout)
-        loaded: dict[str, Any] = {}
-
-        def load_base(chunks: list[Any]) -> list[Any]:
-            loaded["report"] = api.load_official_checkpoint(chunks, base)
-            return chunks
-
-        hooks: list[Any] = [load_base]
+        hook = None
         if lora is not None:
-            hooks.append(api.make_lora_pre_wrap_hook(targets=list(lora.targets), rank=lora.rank, alpha=lora.alpha))
-        chunks = api.build_native_model(
-            _hf_config(base),
-            tp=layout.tp,
-            ep=layout.ep,
-            pp=layout.pp,
-            pre_wrap_hooks=hooks,
-            wrap_with_ddp=True,
-            params_dtype=getattr(torch, layout.dtype),
-        )
-        handle = getattr(hooks[-1], "handle", None) if lora is not None else None
-        return _Model(chunks, handle, loaded["report"], base)
+            hook = api.make_lora_pre_wrap_hook(targets=list(lora.targets), rank=lora.rank, alpha=lora.alpha)
+        chunks, report = build_graph(api, base, layout, hook)
+        return _Model(chunks, getattr(hook, "handle", None), report, base)
 
     def load_report(self, model: _Model) -> LoadReport:
         r = model.report

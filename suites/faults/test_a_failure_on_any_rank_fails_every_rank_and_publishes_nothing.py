@@ -21,7 +21,9 @@ from fixtures.conformance.programs import FaultCase, export_faults, export_kille
 from fixtures.conformance.seams import FILE_OPS, INJECTED, Fault
 from fixtures.runner.multirank import MultiRankFailure, RankFailure
 
-pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.needs("build", "train_step", "export")]
+#: every test here reads the one faults run (or waits on it): one worker runs them all (``--dist loadgroup``)
+FAULTS_GROUP = pytest.mark.xdist_group("conformance-faults")
+pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.needs("build", "train_step", "export"), FAULTS_GROUP]
 
 #: tensor parallel, so the adapter is sharded and the export must gather it
 LAYOUT = Layout(tp=2, collective_timeout_s=10.0)
@@ -29,7 +31,6 @@ TIMEOUT_S = 20.0
 #: what a rank may take beyond the export's timeout to notice a peer that failed inside a collective
 SLACK_S = LAYOUT.collective_timeout_s + 10.0
 NAN_RANKS = (0, 1)
-FAULTS_GROUP = pytest.mark.xdist_group("conformance-faults")
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +104,16 @@ def _judge_recovered_or_failed(label, runs, failing_rank, cause_words, base, mar
     assert not problems, f"{label}: every rank returned, but the destination is not a valid adapter: {problems[0]}"
 
 
-@FAULTS_GROUP
 def test_the_export_writes_under_its_destination(faults):
     assert faults["ops"] is not None, f"the first, fault-free export did not finish: {faults['breakdown']}"
     assert any(faults["ops"]), "no rank was seen creating or writing a file under the destination"
 
 
-@FAULTS_GROUP
 @pytest.mark.parametrize("op", FILE_OPS)
 def test_a_failing_file_operation_fails_every_rank_and_changes_nothing(faults, op, conformance_base, driver, tmp_path):
+    seen_as = {"short-write": ("write", "safetensors")}.get(op, (op,))
+    if faults["ops"] is not None and not any(o in ops for ops in faults["ops"] for o in seen_as):
+        pytest.skip(f"the implementation does no {op} under the destination (seen: {faults['ops']})")
     for into in ("existing", "fresh"):
         label, runs = _runs(faults, f"fail {op} on rank ", f" into {into}")
         if not label:
@@ -123,7 +125,6 @@ def test_a_failing_file_operation_fails_every_rank_and_changes_nothing(faults, o
         _judge_recovered_or_failed(label, runs, failing, cause, conformance_base, driver.success_marker, scratch)
 
 
-@FAULTS_GROUP
 @pytest.mark.needs("adapter_parameters")
 @pytest.mark.parametrize("rank", NAN_RANKS)
 def test_a_nan_in_one_ranks_adapter_fails_every_rank_and_changes_nothing(faults, rank):

@@ -13,7 +13,12 @@ import pytest
 from dsv4_conformance.driver import MAIN_ATTENTION
 from fixtures.conformance.programs import QualifyCase, qualify_all
 
-pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.needs("qualify")]
+pytestmark = [
+    pytest.mark.cpu,
+    pytest.mark.multirank,
+    pytest.mark.needs("qualify"),
+    pytest.mark.xdist_group("conformance-targets"),
+]
 
 #: the nested modules that share a main target's leaf name
 NESTED = (".indexer.", ".compressor.")

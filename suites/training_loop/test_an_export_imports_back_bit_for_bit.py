@@ -33,6 +33,11 @@ def test_an_imported_export_is_the_trained_adapter(drive, driver_name, conforman
         f"{layout}: the imported model's logits differ from the trained one's by "
         f"{(payload['trained'] - payload['imported']).abs().max():.3e}"
     )
+    for export in ("trained", "again"):
+        unreadable = [
+            p for p in judge_adapter_dir(tmp_path / export, conformance_base) if p.check in ("files", "format")
+        ]
+        assert not unreadable, f"{layout}: the {export} export is not a readable adapter: {unreadable[0]}"
     trained = load_file(str(tmp_path / "trained" / "adapter_model.safetensors"))
     again = load_file(str(tmp_path / "again" / "adapter_model.safetensors"))
     assert set(trained) == set(again), f"{layout}: re-exported names differ: {sorted(set(trained) ^ set(again))[:4]}"
