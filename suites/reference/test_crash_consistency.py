@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(STRACE is None, reason="strace is not installed (the recorder of the file-system calls)"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: the recorded interpreters import what this one imports (the implementation under test may be a copy elsewhere)
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])}
 PRESET, R = "tiny-mixed", 4

@@ -56,7 +56,7 @@ def made(base, tmp_path_factory) -> dict:
 
 def _doc_row(spec: str) -> str:
     """docs/producers.md's row for ``spec`` (its target-spec cell holds the spec's first glob)."""
-    doc = Path(__file__).resolve().parents[1] / "docs" / "producers.md"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "producers.md"
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| NeMo AutoModel |") and spec in line]
     assert len(rows) == 1, f"docs/producers.md: expected one NeMo AutoModel row with {spec!r}, found {rows}"
     return rows[0]

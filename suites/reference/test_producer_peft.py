@@ -185,7 +185,7 @@ def test_the_producer_matrix_in_the_docs_is_the_generated_one(impl, base, made):
 
     rows = matrix_rows(impl.name, base, {name: adapter for name, (adapter, _, _) in made.items()})
     assert all(r.consumers and "no verdict" not in " ".join(r.consumers) for r in rows), rows
-    doc = Path(__file__).resolve().parents[1] / "docs" / "producers.md"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "producers.md"
     assert doc_section(doc.read_text()) == render_matrix(rows), (
         "docs/producers.md's producer matrix differs from what verify-adapter says now: run "
         "'.venv/bin/python scripts/producer_matrix.py --write'"

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.cpu
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("torch", "megatron-core", "megatron-bridge", "transformers", "peft", "safetensors")
 
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.cpu
 
 SHAPES = {"wq_a": (48, 64), "wkv": (32, 64), "wo_b": (64, 32)}
 LAYERS, R = 2, 4
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _version_state(impl, version: int):
