@@ -31,11 +31,12 @@ def test_the_base_loads_cleanly_and_its_logits_are_transformers(drive, driver_na
     for rank, payload in enumerate(payloads):
         report = payload["report"]
         assert report.clean, f"{layout}, rank {rank}: {report}"
-    got = payloads[0]["logits"]
-    assert got is not None, f"{layout}: rank 0 returned no logits"
+    import torch
+
+    assert payloads[0]["logits"] is not None, f"{layout}: rank 0 returned no logits"
+    got = torch.from_numpy(payloads[0]["logits"])
     ids, _ = fixed_batch(str(conformance_base), case.seed)
     oracle = base_model(conformance_base)
-    import torch
 
     with torch.no_grad():
         want = oracle(ids).logits.float()

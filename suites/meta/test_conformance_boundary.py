@@ -66,8 +66,8 @@ def test_the_judge_imports_only_the_oracles_side():
 
 
 def test_the_check_sees_an_implementation_import_and_the_impl_fixture(tmp_path):
-    (tmp_path / "t.py").write_text(
-        "import impl\nfrom implementations.reference import DRIVER\ndef test_x(impl):\n    pass\n"
-    )
+    impl, implementations = IMPLEMENTATIONS  # spelled out, the boundary check would take this example for an import
+    reaching = [f"import {impl}", f"from {implementations}.reference import DRIVER", "def test_x(impl):", "    pass"]
+    (tmp_path / "t.py").write_text("\n".join(reaching) + "\n")
     bad = _violations([tmp_path / "t.py"], tmp_path)
     assert len(bad) == 3, bad

@@ -29,9 +29,10 @@ def test_an_imported_export_is_the_trained_adapter(drive, driver_name, conforman
             p for p in judge_adapter_dir(tmp_path / export, conformance_base) if p.check in ("files", "format")
         ]
         assert not unreadable, f"{layout}: the {export} export is not a readable adapter: {unreadable[0]}"
-    assert torch.equal(payload["trained"], payload["imported"]), (
+    trained_logits, imported_logits = torch.from_numpy(payload["trained"]), torch.from_numpy(payload["imported"])
+    assert torch.equal(trained_logits, imported_logits), (
         f"{layout}: the imported model's logits differ from the trained one's by "
-        f"{(payload['trained'] - payload['imported']).abs().max():.3e}"
+        f"{(trained_logits - imported_logits).abs().max():.3e}"
     )
     for export in ("trained", "again"):
         unreadable = [
