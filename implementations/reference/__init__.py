@@ -7,6 +7,7 @@ Glue only: every method is one or two calls of ``impl``'s public API. ``DSV4_IMP
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,8 +49,6 @@ def _init_parallel(api: Any, layout: Layout) -> None:
 def _hf_config(config: Mapping[str, Any] | Path) -> Any:
     """transformers' ``DeepseekV4Config`` itself, never through ``AutoConfig`` (whose registry another
     implementation driven in the same process may have changed: Miles' ``load_hf_config`` does)."""
-    import json
-
     from transformers import DeepseekV4Config
 
     if isinstance(config, Path):
