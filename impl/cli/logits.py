@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4_conformance.judge.oracle import LOGIT_RULE
+
 __all__ = [
     "LOGIT_CHECKS",
     "LogitCheck",
@@ -45,12 +47,11 @@ class LogitCheck:
         return self.ulps * torch.finfo(getattr(torch, self.dtype)).eps * scale
 
 
-#: float32: 256 units of the max |Δ| (a few units per layer's summation order, over a handful of layers, with room
-#: for the merged reload's rounding of each target weight). bfloat16: 4 units of the mean |Δ|: routing and indexer
-#: top-k flip under bf16 rounding and move single tokens far, so only a mean is stable there. The reload of a
-#: bf16-trained adapter is compared in float32 (see impl.cli.qualify), where the float32 rule has the power the
-#: bf16 one lacks.
-LOGIT_CHECKS = {c.dtype: c for c in (LogitCheck("float32", "max", 256), LogitCheck("bfloat16", "mean", 4))}
+#: float32: the conformance judge's rule, in units of the max |Δ| (one home for it: dsv4_conformance.judge.oracle).
+#: bfloat16: 4 units of the mean |Δ|: routing and indexer top-k flip under bf16 rounding and move single tokens far,
+#: so only a mean is stable there. The reload of a bf16-trained adapter is compared in float32 (see
+#: impl.cli.qualify), where the float32 rule has the power the bf16 one lacks.
+LOGIT_CHECKS = {c.dtype: c for c in (LogitCheck("float32", "max", LOGIT_RULE.units), LogitCheck("bfloat16", "mean", 4))}
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,7 @@ def cmd_verify_adapter(args: argparse.Namespace) -> int:
         args.base,
         args.adapter,
         forward=args.forward,
+        judge=args.judge,
         require_certified=args.require_certified,
         full_hash=args.full_hash,
     )
@@ -283,6 +284,11 @@ def _add_verify_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     v.add_argument("--base", required=True, help="base checkpoint directory")
     v.add_argument("--adapter", required=True, help="PEFT adapter directory")
     v.add_argument("--forward", action="store_true", help="also run the tiny logits check (small bases only)")
+    v.add_argument(
+        "--judge",
+        action="store_true",
+        help="also ask the conformance judge (dsv4_conformance.judge, the suites' own; implied by --forward)",
+    )
     v.add_argument(
         "--require-certified",
         action="store_true",

@@ -4,7 +4,8 @@ Reads the base's safetensors headers and ``config.json`` only (so it works on a 
 Pro base); the adapter's own tensors are small and are read in full. Each problem names the tensor.
 The checks are :data:`impl.adapter.validation.ADAPTER_CHECKS` (the exporter's own, see the table there), here
 against the base's names and shapes, plus the opt-in ``forward`` check: PEFT's merged model must equal the base
-with ``W + s*B@A`` applied by hand. Names are translated through the target table (:mod:`impl.lora.vocabulary`)
+with ``W + s*B@A`` applied by hand, by the conformance judge's oracle. The judge's own verdict on the directory
+(:mod:`dsv4_conformance.judge`) is the ``conformance`` row. Names are translated through the target table (:mod:`impl.lora.vocabulary`)
 and the naming dialects (:mod:`impl.adapter.dialects`); every other module of a V4 base resolves to its kind
 (:mod:`impl.adapter.kinds`), so an adapter from any producer is judged by what it wraps. Provenance (``.complete``,
 the base fingerprint) is its own line: an adapter without them is *uncertified*, which fails only with
@@ -94,11 +95,13 @@ def verify_adapter(
     adapter: str | Path,
     *,
     forward: bool = False,
+    judge: bool = False,
     require_certified: bool = False,
     full_hash: bool = False,
 ) -> VerifyResult:
     """The ``base`` check (:func:`impl.conversion.base_dir.inspect_base`: DeepSeek-V4, shards, headers), then every
-    check of :data:`ADAPTER_CHECKS` against it (plus ``forward`` when asked). Never raises on a bad adapter or base:
+    check of :data:`ADAPTER_CHECKS` against it (plus ``forward`` when asked; ``judge`` or ``forward``: the conformance
+    judge's verdict, which imports torch and transformers). Never raises on a bad adapter or base:
     every problem is listed, naming its file or tensor. With a bad base the adapter is still checked on its own.
     An adapter without ``.complete`` or base fingerprint is uncertified (:attr:`VerifyResult.uncertified`): a
     problem only with ``require_certified``. The fingerprint is compared by sampled pages where a large weight's
@@ -132,17 +135,38 @@ def verify_adapter(
         if report.name == "provenance" and not report.problems:
             status = "UNCERTIFIED" if report.figure.startswith("uncertified") else "CERTIFIED"
         res.checks.append(VerifyCheck(report.name, not report.problems, report.figure, status))
+    if judge or forward:
+        res.checks.append(_judge_check(base, adapter, view.modules, res) if read.ok else _NO_JUDGE)
     if forward and res.ok:
-        from impl.adapter.validation import lora_scale
-
         try:
-            res.checks.append(_forward_check(base, adapter, view.modules, lora_scale(view.config), res))
+            res.checks.append(_forward_check(base, adapter, view.modules, res))
         except Exception as exc:  # transformers / PEFT refusing this base or adapter is a finding about them
             res.problems.append(f"{base}: the forward check could not run ({type(exc).__name__}: {exc})")
             res.checks.append(VerifyCheck("forward", False, "could not run"))
     elif forward:
         res.checks.append(VerifyCheck("forward", None, "skipped: the adapter or base has problems"))
     return res
+
+
+_NO_JUDGE = VerifyCheck("conformance", None, "skipped: the base has problems")
+
+
+def _judge_check(base: Path, adapter: Path, modules, res: VerifyResult) -> VerifyCheck:
+    """The conformance judge's verdict (:func:`dsv4_conformance.judge.artifacts.judge_adapter_dir`, which imports no
+    implementation) on a PEFT adapter for transformers' model. Its problems are listed only where the checks
+    above found none: then it caught what they missed; otherwise they are the same causes seen twice."""
+    from dsv4_conformance.judge.artifacts import judge_adapter_dir
+
+    places = [place_module(m) for m in modules]
+    if not modules or not all(p is not None and p.dialect == "transformers" for p in places):
+        return VerifyCheck("conformance", None, "only for adapters in transformers' naming (what PEFT loads)")
+    problems = [str(p) for p in judge_adapter_dir(adapter, base)]
+    if not problems:
+        return VerifyCheck("conformance", True, "dsv4_conformance.judge: a valid PEFT adapter for this base")
+    if not res.problems:
+        res.problems += [f"conformance: {p}" for p in problems]
+        return VerifyCheck("conformance", False, f"dsv4_conformance.judge: {len(problems)} problem(s)")
+    return VerifyCheck("conformance", False, f"dsv4_conformance.judge: {len(problems)} problem(s), e.g. {problems[0]}")
 
 
 def _base_figure(read) -> str:
@@ -153,27 +177,14 @@ def _base_figure(read) -> str:
     return f"DeepSeek-V4, {len(read.headers)} tensors in {files} shard(s){layout}"
 
 
-def _load_transformers(base: Path):
-    """transformers' ``DeepseekV4ForCausalLM`` of ``base`` in fp32, and the load problems (MTP is not modelled)."""
-    import torch
-    from transformers import DeepseekV4ForCausalLM
-
-    model, info = DeepseekV4ForCausalLM.from_pretrained(str(base), dtype=torch.float32, output_loading_info=True)
-    problems = [
-        f"forward: transformers could not load {base} cleanly ({kind}: {', '.join(map(str, keys[:5]))})"
-        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
-        if (keys := [k for k in info.get(kind, ()) if not str(k).startswith("mtp.")])
-    ]
-    return model.eval(), problems
-
-
-def _forward_check(base: Path, adapter: Path, modules, scale: float, res: VerifyResult) -> VerifyCheck:
-    """PEFT merged and unmerged (grouped o_a_proj layer) vs the base with ``W + s·B@A`` applied by hand
-    (``s``: :func:`impl.adapter.validation.lora_scale`; transformers dialect only)."""
+def _forward_check(base: Path, adapter: Path, modules, res: VerifyResult) -> VerifyCheck:
+    """The conformance judge's reload (:mod:`dsv4_conformance.judge.oracle`): PEFT's own merged reload on
+    transformers, and the grouped layer unmerged (:func:`impl.load_peft_adapter`), against the base with
+    ``W + s·B@A`` written out by the judge, held to the judge's :data:`LOGIT_RULE` (transformers naming only)."""
     import torch
     from transformers import AutoConfig
 
-    from impl.cli.logits import LOGIT_CHECKS, compare_logits
+    from dsv4_conformance.judge.oracle import LOGIT_RULE, base_model, delta_logits, max_abs, peft_logits, read_adapter
     from impl.lora.peft_loader import load_peft_adapter
     from impl.native.config import V4Config
 
@@ -183,32 +194,23 @@ def _forward_check(base: Path, adapter: Path, modules, scale: float, res: Verify
     cfg = AutoConfig.from_pretrained(base)
     seq = V4Config.from_hf(cfg).min_seq_len
     ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    manual, problems = _load_transformers(base)
-    if problems:
-        res.problems += problems
-        return VerifyCheck("forward", False, "base does not load in transformers")
+    model = base_model(base)  # strict: a base transformers cannot load cleanly is a problem of its own
+    deltas, scale = read_adapter(adapter)
     with torch.no_grad():
-        for module, h in modules.items():
-            weight = manual.get_submodule(module).weight
-            weight += scale * (h["lora_B"].torch().float() @ h["lora_A"].torch().float()).to(weight.dtype)
-        want = manual(ids).logits
-        plain = _load_transformers(base)[0](ids).logits
-        merged = load_peft_adapter(_load_transformers(base)[0], adapter, merge=True)(ids).logits
-        unmerged = load_peft_adapter(_load_transformers(base)[0], adapter).eval()(ids).logits
-    # qualify's float32 rule: the two sides differ by rounding only, relative to the logits' scale
-    cmps = {
-        mode: compare_logits(got, want, LOGIT_CHECKS["float32"])
-        for mode, got in (("merged", merged), ("unmerged", unmerged))
-    }
-    for mode, cmp in cmps.items():
-        if not cmp.passed:
+        want = delta_logits(model, ids, deltas, scale)
+        plain = model(ids).logits.float()
+        merged = peft_logits(base, adapter, ids)
+        unmerged = load_peft_adapter(base_model(base), adapter).eval()(ids).logits.float()
+    tol = LOGIT_RULE.tolerance(want)
+    observed = {"merged": max_abs(merged, want), "unmerged": max_abs(unmerged, want)}
+    for mode, diff in observed.items():
+        if diff > tol:
             res.problems.append(
-                f"forward: PEFT {mode} logits differ from W + s*B@A by {cmp.observed:.2e} (tolerance {cmp.tolerance:.1e})"
+                f"forward: PEFT {mode} logits differ from W + s*B@A by {diff:.2e} (tolerance {tol:.1e})"
             )
-    ok = all(c.passed for c in cmps.values())
-    tol = cmps["merged"].tolerance
-    effect = (want - plain).abs().max().item()
-    figure = f"max|Δ| merged {cmps['merged'].observed:.2e}, unmerged {cmps['unmerged'].observed:.2e} (tol {tol:.1e})"
+    ok = all(diff <= tol for diff in observed.values())
+    effect = max_abs(want, plain)
+    figure = f"max|Δ| merged {observed['merged']:.2e}, unmerged {observed['unmerged']:.2e} (tol {tol:.1e})"
     if ok and effect <= tol:  # e.g. an untrained adapter (lora_B = 0): equal logits prove nothing about the delta
         return VerifyCheck("forward", None, f"inconclusive: the adapter moves the logits by {effect:.1e} <= {figure}")
     return VerifyCheck("forward", ok, f"{figure}; the adapter moves them by {effect:.1e}")

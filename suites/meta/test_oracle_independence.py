@@ -3,7 +3,8 @@ the conformance judge (``dsv4_conformance``).
 
 A name table, shape rule or expected value shared by the implementation and the suite's oracle hides every bug in
 it. Allowed, by exact module and imported name: the command line writes its embedded default base and the
-Flash/Pro manifests with ``tiny_models``, and ``qualify``'s rank side (its base-logit and reload steps) loads the transformers oracle with it.
+Flash/Pro manifests with ``tiny_models``, ``qualify``'s rank side (its base-logit and reload steps) loads the transformers
+oracle with it, and ``verify-adapter`` reports the conformance judge's verdict and reloads through the judge's oracle.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ ALLOWED = {
     ("cli/main.py", "tiny_models.presets", "pro_config"),
     ("cli/qualify_rank.py", "tiny_models.oracle", "load_oracle"),
     ("cli/qualify_adapter.py", "tiny_models.oracle", "load_oracle"),
+    ("cli/logits.py", "dsv4_conformance.judge.oracle", "LOGIT_RULE"),  # qualify's float32 rule is the judge's
+    # verify-adapter reports the conformance judge's verdict and reloads through the judge's oracle
+    ("cli/verify.py", "dsv4_conformance.judge.artifacts", "judge_adapter_dir"),
+    *(
+        ("cli/verify.py", "dsv4_conformance.judge.oracle", name)
+        for name in ("LOGIT_RULE", "base_model", "delta_logits", "max_abs", "peft_logits", "read_adapter")
+    ),
 }
 _DYNAMIC = {"import_module", "__import__"}
 

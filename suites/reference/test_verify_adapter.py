@@ -79,3 +79,23 @@ def test_verify_adapter_reads_without_importing_torch(impl, exported):
         impl.name, ["verify-adapter", "--base", base, "--adapter", adapter], "torch"
     )
     assert status == 0 and not torch_imported, out[-4000:]
+
+
+#: the spoilt adapters the conformance judge sees from the files alone (the others are about the base or provenance)
+JUDGED = ("indexer-wrapping", "wrong-shape-lora_B", "nan", "missing-half")
+
+
+def test_the_conformance_judge_passes_an_exported_adapter(impl, exported):
+    """``--judge`` adds the conformance suites' own verdict (``dsv4_conformance.judge``) as a row of its own."""
+    result = impl.verify_adapter(*exported, judge=True)
+    row = next((c for c in result.checks if c.name == "conformance"), None)
+    assert row is not None and row.passed, f"the judge's row: {row}; problems: {result.problems}"
+
+
+@pytest.mark.parametrize("case", JUDGED)
+def test_the_conformance_judge_fails_a_spoilt_adapter(impl, exported, tmp_path, case):
+    tamper, _ = TAMPER[case]
+    base, adapter = _edited_copies(exported, tmp_path, tamper)
+    result = impl.verify_adapter(base, adapter, judge=True)
+    row = next((c for c in result.checks if c.name == "conformance"), None)
+    assert row is not None and row.passed is False, f"{case}: the judge's row passed a spoilt adapter: {row}"
