@@ -92,11 +92,49 @@ def consumer_problems(adapter: str | Path, consumer: str, version: str | None = 
         verdict: ConsumerVerdict = consumer_verdict(consumer, found.dialect, found.targets, version)
     except Dsv4Error as exc:
         return "no rules", [f"{type(exc).__name__}: {exc}"]
-    problems = found.problems + verdict.problems()
-    missed = {r.target for r in verdict.not_applied}
-    applied = 0 if WHOLE_ADAPTER in missed else len(found.targets - missed)  # a refused adapter applies nothing
-    figure = f"{verdict.consumer} {verdict.version}, {found.dialect} dialect: {applied}/{len(found.targets)} target(s) applied"
+    problems = found.problems + _by_cause(verdict) + _way_forward(adapter, consumer, found, verdict)
+    figure = f"{verdict.consumer} {verdict.version}, {found.dialect} dialect: {_applied(verdict, found.targets)}/{len(found.targets)} target(s) applied"
     return figure, problems
+
+
+def _applied(verdict: ConsumerVerdict, targets: set[str]) -> int:
+    missed = {r.target for r in verdict.not_applied}
+    return 0 if WHOLE_ADAPTER in missed else len(targets - missed)  # a refused adapter applies nothing
+
+
+def _by_cause(verdict: ConsumerVerdict) -> list[str]:
+    """One line per cause (the same status and reason, on any engine and target), with a count where it has many."""
+    causes: dict[tuple[str, str | None, str], list[tuple[str, str]]] = {}
+    for r in verdict.not_applied:
+        causes.setdefault((str(r.status), r.routed_to, r.why), []).append((r.consumer, r.target))
+    lines = []
+    for (status, routed_to, why), cells in causes.items():
+        engines = ", ".join(dict.fromkeys(engine for engine, _ in cells))
+        targets = list(dict.fromkeys(target for _, target in cells))
+        head = f"{engines} {verdict.version} ({verdict.dialect} dialect)"
+        route = f" -> {routed_to}" if routed_to else ""
+        if len(targets) == 1:
+            lines.append(f"{head}: {targets[0]}: {status}{route}: {why}")
+        else:
+            lines.append(f"{head}: {len(targets)} targets {status}{route} ({', '.join(targets)}): {why}")
+    return lines + [p for p in verdict.problems() if "no rule in" in p]
+
+
+def _way_forward(adapter: str | Path, consumer: str, found: AdapterTargets, verdict: ConsumerVerdict) -> list[str]:
+    """Where ``dsv4-lora export --consumer`` would do better (the consumer's own naming), the command that does it."""
+    choice = consumer_choice(consumer)
+    if verdict.ok or found.dialect == choice.dialect:
+        return []
+    better = consumer_verdict(consumer, choice.dialect, found.targets, verdict.version)
+    applied = _applied(better, found.targets)
+    if applied <= _applied(verdict, found.targets):
+        return []
+    still = sorted({r.target for r in better.not_applied})
+    rest = f"; it would still not apply {', '.join(still)} (export refuses unless --allow-unapplied)" if still else ""
+    return [
+        f"re-publish it in {consumer}'s naming ({choice.dialect} dialect), where {applied}/{len(found.targets)} "
+        f"target(s) are applied: dsv4-lora export --adapter {adapter} --out <new dir> --consumer {consumer}{rest}"
+    ]
 
 
 def add_consumer_check(result, adapter: str | Path, consumer: str, version: str | None) -> None:

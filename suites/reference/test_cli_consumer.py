@@ -93,8 +93,11 @@ def test_verify_judges_a_transformers_adapter_per_consumer(dsv4, base, export, c
     adapter = export("transformers", ALL)
     result = dsv4("verify-adapter", "--base", base, "--adapter", adapter, "--consumer", consumer)
     assert result.returncode == code, result.stdout[-3000:]
-    if consumer == "vllm":
-        assert "vllm/nvidia 0.33.0 (transformers dialect): (adapter): rejected" in result.stdout, result.stdout[-3000:]
+    if consumer == "vllm":  # one cause (the naming), one line, and the command that re-publishes it
+        problems = _problems(result)
+        assert len(problems) == 2, "\n".join(problems)
+        assert "vllm/nvidia, vllm/xpu 0.33.0 (transformers dialect): 6 targets rejected" in problems[0], problems[0]
+        assert "dsv4-lora export --adapter" in problems[1] and "--consumer vllm" in problems[1], problems[1]
 
 
 def test_export_for_vllm_fails_closed_and_writes_nothing(dsv4, export, tmp_path):
