@@ -24,7 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the packages watched, as the index spells them
 WATCHED = ("vllm", "sglang", "transformers", "peft", "torch", "megatron-core", "megatron-bridge", "nemo-automodel")
 _PIN = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*==\s*([0-9][^\s;#]*)", re.M)
-_TOX_PINS = {"megatron-bridge": re.compile(r"bridge (\d+\.\d+\.\d+)"), "megatron-core": re.compile(r"core (\d+\.\d+\.\d+)")}
+_TOX_PINS = {
+    "megatron-bridge": re.compile(r"bridge (\d+\.\d+\.\d+)"),
+    "megatron-core": re.compile(r"core (\d+\.\d+\.\d+)"),
+}
 
 
 def _version(text: str) -> Version | None:
