@@ -27,6 +27,7 @@ DRIVERS = (
     "implementations.bridge_lora",
     "implementations.miles_v1",
     "implementations.miles_v2",
+    "implementations.nemo_automodel",
     "implementations.empty",
     "implementations.wrong.marker_first",
     "implementations.wrong.pickled",

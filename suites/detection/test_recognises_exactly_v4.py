@@ -39,13 +39,22 @@ def test_a_v4_config_is_recognised(driver):
     assert driver.recognises({**V4, "architectures": ["DeepseekV4ForCausalLM", "SomethingElse"]}) is True
 
 
-def test_the_tiny_base_and_the_published_flash_and_pro_configs_are_recognised(driver, conformance_base):
+def test_the_published_flash_and_pro_configs_are_recognised(driver):
+    """As DeepSeek's repositories hold them: the schedule as ``compress_ratios`` and ``num_hash_layers``."""
+    from fixtures.data.sparse_checkpoint import published_config
     from tiny_models import flash_config, pro_config
 
-    assert driver.recognises(json.loads((conformance_base / "config.json").read_text())) is True
     for name, config in (("Flash", flash_config()), ("Pro", pro_config())):
-        parsed = json.loads(config.to_json_string())
-        assert driver.recognises(parsed) is True, f"the published {name} config.json was not recognised"
+        assert driver.recognises(published_config(config)) is True, f"the published {name} config.json was not recognised"
+
+
+def test_configs_transformers_saved_are_recognised(driver, conformance_base):
+    """As ``save_pretrained`` re-writes them (a base converted or re-saved with transformers: ``layer_types``,
+    ``mlp_layer_types``), the suites' own tiny base among them."""
+    from tiny_models import flash_config
+
+    assert driver.recognises(json.loads((conformance_base / "config.json").read_text())) is True, "the tiny base"
+    assert driver.recognises(json.loads(flash_config().to_json_string())) is True, "Flash, as transformers saves it"
 
 
 @pytest.mark.parametrize("case", sorted(NOT_V4))

@@ -26,10 +26,14 @@ PRESETS = ("tiny-tp", "tiny-mixed", "tiny-sliding", "tiny-largest")
 
 
 def configs() -> dict[str, dict]:
+    """Each config as a base's ``config.json`` holds it: Flash in DeepSeek's published form (the schedule as
+    ``compress_ratios`` and ``num_hash_layers``, as users download it), the tiny presets as transformers'
+    ``save_pretrained`` writes them (their small compression rates have no published form)."""
+    from fixtures.data.sparse_checkpoint import published_config
     from tiny_models import flash_config, get_preset
 
     found = {name: json.loads(get_preset(name).to_json_string()) for name in PRESETS}
-    found["flash"] = json.loads(flash_config().to_json_string())
+    found["flash"] = published_config(flash_config())
     return found
 
 
