@@ -1,6 +1,7 @@
 """``CONTRIBUTING.md`` stays true: every file it tells a contributor to touch exists, and the target lists it says
 must agree (the implementation's vocabulary, the driver contract's, the judge's own, the reference suite's
-hand-written one) name the same targets, so adding a target to one and not the others fails here, by name."""
+hand-written one, the golden vectors') name the same targets, so adding a target to one and not the others fails
+here, by name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from dsv4_conformance.driver import MAIN_ATTENTION
 from dsv4_conformance.judge.artifacts import TRANSFORMERS_LEAF
+from tiny_models import golden
 
 pytestmark = pytest.mark.cpu
 
@@ -47,6 +49,7 @@ def test_every_target_list_the_guide_names_agrees(impl):
         "dsv4_conformance.driver.MAIN_ATTENTION": MAIN_ATTENTION,
         "dsv4_conformance.judge TRANSFORMERS_LEAF": tuple(TRANSFORMERS_LEAF),
         "suites/reference/test_target_vocabulary.py MAIN": hand_written.MAIN,
+        "tiny_models.golden TARGETS (the golden vectors)": golden.TARGETS,
     }
     sets = {name: set(targets) for name, targets in lists.items()}
     first = next(iter(sets.values()))
