@@ -6,6 +6,8 @@ qualifier's own table, and matched with Megatron-Bridge's real ``ModuleMatcher``
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -141,3 +143,34 @@ def test_nested_target_on_a_model_without_it_raises(impl):
 def test_comma_joined_string_is_rejected(impl):
     with pytest.raises(impl.TargetError, match="comma"):
         impl.qualify_exclusions("wq_b,wkv")
+
+
+def test_a_leaf_of_any_module_is_accepted_as_bridge_accepts_it(impl):
+    """A name outside the vocabulary that is the leaf of some module (``linear_fc1``) passes through and is not
+    refused: Bridge's matcher takes a leaf equal to the pattern, so the check must too (mutation campaign)."""
+    assert impl.qualify_targets(["linear_fc1"], module_names=MODULE_NAMES) == ["linear_fc1"]
+    assert impl.qualify_exclusions("output_layer", module_names=MODULE_NAMES) == "output_layer"
+
+
+@pytest.mark.parametrize("entry", [None, 5, ("wq_b",), ""], ids=["None", "int", "tuple", "empty"])
+def test_an_entry_that_is_no_name_is_refused_by_type(impl, entry):
+    """A target list holding something other than a non-empty name is a TargetError naming it, with or without the
+    model's module names, never a TypeError from deeper down (mutation campaign)."""
+    for module_names in (None, MODULE_NAMES):
+        with pytest.raises(impl.TargetError, match="non-empty strings"):
+            impl.qualify_targets(["wq_a", entry], module_names=module_names)
+
+
+def test_a_refusal_shows_what_each_name_was_read_as_and_a_wildcard_that_works(impl):
+    """What a user needs to fix a target list: each refused vocabulary name with the pattern it was read as (and a
+    name passed through without one), and a suggested wildcard that matches a module of this very model when
+    pasted back (mutation campaign)."""
+    sliding_only = [n for n in MODULE_NAMES if "indexer" not in n and "compressor" not in n]
+    with pytest.raises(impl.TargetError) as err:
+        impl.qualify_targets(["indexer.wq_b", "q_zz"], module_names=sliding_only)
+    msg = str(err.value)
+    assert "'indexer.wq_b' (as '*.self_attention.indexer.linear_wq_b')" in msg, msg
+    assert "'q_zz' (as" not in msg, msg
+    suggested = re.search(r"such as '([^']+)'", msg)
+    assert suggested, f"no wildcard suggested: {msg}"
+    assert impl.qualify_targets([suggested.group(1)], module_names=sliding_only), msg
