@@ -29,6 +29,8 @@ __all__ = [
     "ConsumerStatus",
     "consumer_rule",
     "consumer_verdict",
+    "split_consumer",
+    "tested_versions",
     "unapplied_targets",
 ]
 
@@ -68,20 +70,27 @@ _VLLM_ACTIVATE = "vllm/lora/model_manager.py:LoRAModelManager.activate_adapter"
 _VLLM_PACKED = "packed into attn.fused_wqa_wkv (DeepseekV4ForCausalLM.packed_modules_mapping), called in forward"
 
 
-def _vllm_lora_model(version: str, variant: str, wo_a_reader: str) -> list[ConsumerRule]:
+def _vllm_lora_model(
+    version: str, variant: str, wo_a_reader: str | None = None, *, wo_a_applier: str | None = None
+) -> list[ConsumerRule]:
     """A vLLM platform model that implements SupportsLoRA (names checked by leaf, official names mapped by
-    hf_to_vllm_mapper, MTP skipped by lora_skip_prefixes, wo_a's weight handed to a kernel)."""
+    hf_to_vllm_mapper, MTP skipped by lora_skip_prefixes). wo_a: ``wo_a_reader`` hands its weight to a kernel (the
+    LoRA is never applied), or the o-projection calls ``wo_a_applier``, the LoRA class's own method (applied)."""
     c = f"vllm/{variant}"
+    if wo_a_applier is not None:
+        wo_a = (
+            S.APPLIED,
+            f"the o-projection calls attn.wo_a.grouped_forward, which {wo_a_applier} overrides to add the delta",
+        )
+    else:
+        wo_a = (S.LOADED_NOT_APPLIED, f"wrapped, but the forward never calls attn.wo_a: {wo_a_reader} reads its weight")
     rejected = f"leaf names q_a_proj/... are no module leaves of vLLM's model: {_VLLM_LOADER} raises ValueError"
     unapplied = f"model.layers.N.self_attn.<leaf> is no vLLM module (vLLM's is model.layers.N.attn): {_VLLM_ACTIVATE} finds no layer for it"
     official = {
         "wq_a": (S.APPLIED, _VLLM_PACKED),
         "wq_b": (S.APPLIED, "attn.wq_b is called in DeepseekV4Attention._wq_b_proj"),
         "wkv": (S.APPLIED, _VLLM_PACKED),
-        "wo_a": (
-            S.LOADED_NOT_APPLIED,
-            f"wrapped, but the forward never calls attn.wo_a: {wo_a_reader} reads its weight",
-        ),
+        "wo_a": wo_a,
         "wo_b": (S.APPLIED, "attn.wo_b is called by the o-projection"),
         MTP: (S.SKIPPED, "DeepseekV4ForCausalLM.lora_skip_prefixes ['mtp.'] (LoRAModel._should_skip_module)"),
         WHOLE_ADAPTER: (S.LOADED, f"{_VLLM_LOADER} accepts it"),
@@ -158,11 +167,19 @@ def _peft(version: str) -> list[ConsumerRule]:
     return rows
 
 
-#: The table. Rows for vLLM's ROCm model are absent: it does not import on a CPU host, so nothing checks them.
+_XPU_O_PROJ = "vllm/models/deepseek_v4/xpu/xpu_sparse.py:DeepseekV4XPUAttention._o_proj"
+
+#: The table: one block per engine release a lane runs (fixtures/consumers LANES). Rows for vLLM's ROCm model are
+#: absent: it does not import on a CPU host, so nothing checks them.
 CONSUMER_RULES: tuple[ConsumerRule, ...] = (
     *_vllm_lora_model("0.33.0", "nvidia", "vllm/models/deepseek_v4/nvidia/ops/o_proj.py:deep_gemm_fp8_o_proj"),
-    *_vllm_lora_model("0.33.0", "xpu", "vllm/models/deepseek_v4/xpu/xpu_sparse.py:DeepseekV4XPUAttention._o_proj"),
+    *_vllm_lora_model("0.33.0", "xpu", _XPU_O_PROJ),
     *_vllm_without_lora("0.33.0", "cpu"),
+    # 0.34 wraps wo_a in DeepseekV4GroupedWoAWithLoRA; NVIDIA's _o_proj calls its grouped_forward, XPU's reads
+    # wo_a.bmm_weight (the wrapper hands the base layer's through)
+    *_vllm_lora_model("0.34.0", "nvidia", wo_a_applier="vllm/lora/layers/custom_layer.py:DeepseekV4GroupedWoAWithLoRA"),
+    *_vllm_lora_model("0.34.0", "xpu", _XPU_O_PROJ),
+    *_vllm_without_lora("0.34.0", "cpu"),
     *_sglang("0.5.23"),
     *_peft("0.21.2"),
 )
@@ -172,6 +189,32 @@ _BY_KEY = {(r.consumer, r.version, r.dialect, r.target): r for r in CONSUMER_RUL
 def consumer_rule(consumer: str, version: str, dialect: str, target: str) -> ConsumerRule | None:
     """The belief for one cell, or None when impl has none (an engine version nobody checked)."""
     return _BY_KEY.get((consumer, version, dialect, target))
+
+
+def _release_key(version: str) -> tuple:
+    """``0.34.0`` -> (0, 34, 0): releases in numeric order (``0.10`` after ``0.9``)."""
+    return tuple(int(p) if p.isdigit() else p for p in version.split("."))
+
+
+def tested_versions(engines: Iterable[str]) -> list[str]:
+    """The releases impl holds rules for on all of ``engines``, oldest first: exactly the releases some lane ran
+    (``suites/reference/test_consumers.py`` fails on a row no installed lane answered)."""
+    per_engine = [{r.version for r in CONSUMER_RULES if r.consumer == e} for e in engines]
+    common = set.intersection(*per_engine) if per_engine else set()
+    return sorted(common, key=_release_key)
+
+
+def split_consumer(spec: str, version: str | None = None) -> tuple[str, str | None]:
+    """``vllm==0.34.0`` -> (``vllm``, ``0.34.0``); ``vllm`` -> (``vllm``, ``version``). A release named both ways
+    must be the same one (:class:`ConsumerSupportError` else)."""
+    name, pinned, release = spec.partition("==")
+    if not pinned:
+        return name.strip(), version
+    if version is not None and version != release.strip():
+        raise ConsumerSupportError(
+            f"consumer {spec!r} and consumer version {version!r} name different releases; name one"
+        )
+    return name.strip(), release.strip()
 
 
 def unapplied_targets(consumer: str, version: str, dialect: str, targets: tuple[str, ...]) -> list[ConsumerRule]:
@@ -205,7 +248,9 @@ CONSUMER_CHOICES: dict[str, ConsumerChoice] = {
 
 
 def consumer_choice(name: str) -> ConsumerChoice:
-    """The choice for ``name`` (a family above or one engine of the table); :class:`ConsumerSupportError` else."""
+    """The choice for ``name`` (a family above or one engine of the table, with or without ``==RELEASE``);
+    :class:`ConsumerSupportError` else."""
+    name, _ = split_consumer(name)
     if name in CONSUMER_CHOICES:
         return CONSUMER_CHOICES[name]
     engines = {r.consumer for r in CONSUMER_RULES}
@@ -224,6 +269,14 @@ class ConsumerVerdict:
     dialect: str
     not_applied: tuple[ConsumerRule, ...]  # every rule that does not apply its target (the whole adapter first)
     unknown: tuple[str, ...]  # "engine: target" with no rule: nobody checked, so nothing is vouched for
+    tested: tuple[str, ...] = ()  # every release impl holds rules for (a lane ran), oldest first
+    defaulted: bool = False  # the caller named no release: ``version`` is the newest tested one
+
+    def release_note(self) -> str:
+        """Which release judged, and how it was chosen (what the command line prints)."""
+        how = "the newest tested release" if self.defaulted else "the release named"
+        name = self.consumer.partition("==")[0]
+        return f"{name} {self.version} ({how}; tested: {', '.join(self.tested)}; name one with {name}==RELEASE)"
 
     @property
     def ok(self) -> bool:
@@ -263,15 +316,19 @@ def consumer_verdict(
     consumer: str, dialect: str, targets: Iterable[str], version: str | None = None
 ) -> ConsumerVerdict:
     """Judge an adapter of ``dialect`` holding ``targets`` (:data:`TARGET_LEAVES` entries or :data:`MTP`) by
-    ``consumer`` (:func:`consumer_choice`) at ``version`` (default: the one version the table holds for it)."""
+    ``consumer`` (:func:`consumer_choice`; ``vllm==0.34.0`` names the release) at ``version`` (default: the newest
+    release a lane tested). A release no lane ran raises :class:`ConsumerSupportError` listing the tested ones."""
+    consumer, version = split_consumer(consumer, version)
     choice = consumer_choice(consumer)
-    versions = sorted({r.version for r in CONSUMER_RULES if r.consumer in choice.engines})
-    if version is None and len(versions) == 1:
-        version = versions[0]
+    versions = tested_versions(choice.engines)
+    defaulted = version is None and bool(versions)
+    if defaulted:
+        version = versions[-1]
     if version not in versions:
         raise ConsumerSupportError(
-            f"consumer {consumer!r} version {version!r}: impl holds rules for versions {versions} only "
-            "(an unchecked version is never vouched for; name one with consumer_version / --consumer-version)"
+            f"consumer {consumer!r} version {version!r}: no lane tested that release; impl holds rules for "
+            f"versions {versions} only (an unchecked version is never vouched for; name one with "
+            f"{consumer}==VERSION, consumer_version or --consumer-version)"
         )
     wanted = (WHOLE_ADAPTER, *sorted(set(targets), key=_target_order))
     not_applied, unknown = [], []
@@ -282,7 +339,7 @@ def consumer_verdict(
                 unknown.append(f"{engine}: {target}")
             elif rule.status is not _ACCEPTED[target == WHOLE_ADAPTER]:
                 not_applied.append(rule)
-    return ConsumerVerdict(consumer, version, dialect, tuple(not_applied), tuple(unknown))
+    return ConsumerVerdict(consumer, version, dialect, tuple(not_applied), tuple(unknown), tuple(versions), defaulted)
 
 
 #: the status that counts as "works": for a target, applied; for the whole adapter, loaded
@@ -332,7 +389,7 @@ def off_target_consequence(kind: str, dialect: str) -> str:
     clauses = []
     for family, choice in CONSUMER_CHOICES.items():
         engine = choice.engines[0]
-        versions = sorted({r.version for r in CONSUMER_RULES if r.consumer == engine})
+        versions = tested_versions([engine])
         whole = consumer_rule(engine, versions[-1], dialect, WHOLE_ADAPTER) if versions else None
         if whole is not None and whole.status is not ConsumerStatus.LOADED:
             clauses.append(f"{engine} {whole.version} rejects the whole {dialect}-dialect adapter")

@@ -2,6 +2,10 @@
 consumer that will load it (:data:`impl.adapter.consumers.CONSUMER_RULES`, checked against the consumers' own code
 by ``suites/reference/test_consumers.py``).
 
+``--consumer NAME`` judges by the newest engine release impl holds rules for (one a lane tested; the command prints
+which, and the tested ones); ``--consumer NAME==RELEASE`` (or ``--consumer-version``) names another tested release,
+and a release no lane ran is refused with the tested ones listed.
+
 ``verify-adapter --consumer NAME`` reads the adapter's safetensors header only (names and metadata): every module
 is resolved to its dialect and target, and every target the consumer would not apply (loaded but not applied,
 skipped, rejected, routed elsewhere, or with no rule at all) is one problem line.
@@ -27,6 +31,8 @@ from impl.adapter.consumers import (
     ConsumerVerdict,
     consumer_choice,
     consumer_verdict,
+    split_consumer,
+    tested_versions,
 )
 from impl.adapter.dialects import PEFT_PREFIX, resolve_module
 from impl.adapter.kinds import place_module
@@ -93,8 +99,8 @@ def consumer_problems(adapter: str | Path, consumer: str, version: str | None = 
     except Dsv4Error as exc:
         return "no rules", [f"{type(exc).__name__}: {exc}"]
     problems = found.problems + _by_cause(verdict) + _way_forward(adapter, consumer, found, verdict)
-    figure = f"{verdict.consumer} {verdict.version}, {found.dialect} dialect: {_applied(verdict, found.targets)}/{len(found.targets)} target(s) applied"
-    return figure, problems
+    applied = f"{_applied(verdict, found.targets)}/{len(found.targets)} target(s) applied"
+    return f"{verdict.release_note()}, {found.dialect} dialect: {applied}", problems
 
 
 def _applied(verdict: ConsumerVerdict, targets: set[str]) -> int:
@@ -151,11 +157,13 @@ def add_consumer_arguments(parser: argparse.ArgumentParser, *, export: bool) -> 
     parser.add_argument(
         "--consumer",
         required=export,
-        metavar="|".join(CONSUMER_NAMES),
+        metavar="{" + "|".join(CONSUMER_NAMES) + "}[==RELEASE]",
         help="judge the adapter by this consumer's rules (impl.CONSUMER_RULES, checked against its own code); "
-        "an engine variant such as vllm/cpu is accepted too",
+        "an engine variant such as vllm/cpu is accepted too; ==RELEASE names a tested release (e.g. vllm==0.34.0)",
     )
-    parser.add_argument("--consumer-version", default=None, help="default: the one version impl holds rules for")
+    parser.add_argument(
+        "--consumer-version", default=None, help="the release, as ==RELEASE; default: the newest tested release"
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -164,6 +172,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         dialect = args.dialect or consumer_choice(args.consumer).dialect
+        print(f"consumer: {_release(args)}")
         state, options = _source_state(Path(args.adapter))
         out = export_adapter(
             state,
@@ -181,10 +190,22 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 1
     recorded = json.loads(_metadata(out).get("dsv4_consumer", "{}"))
     unapplied = recorded.get("unapplied", []) + recorded.get("unknown", [])
-    print(f"exported {args.adapter} for {args.consumer} ({dialect} dialect) to {out}")
+    print(
+        f"exported {args.adapter} for {recorded.get('consumer')} {recorded.get('version')} ({dialect} dialect) to {out}"
+    )
     for item in unapplied:
         print(f"  recorded as not applied: {item}")
     return 0
+
+
+def _release(args: argparse.Namespace) -> str:
+    """The release that judges: ``vllm 0.34.0``, saying whether it is the default (the newest tested release), with
+    the tested ones."""
+    name, named = split_consumer(args.consumer, args.consumer_version)
+    tested = tested_versions(consumer_choice(name).engines)
+    version = named or (tested[-1] if tested else "(none)")
+    how = "the newest tested release" if not named else "the release named" if named in tested else "no lane ran it"
+    return f"{name} {version} ({how}; tested: {', '.join(tested)}; name one with {name}==RELEASE)"
 
 
 def _source_state(src: Path):

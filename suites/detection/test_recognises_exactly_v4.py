@@ -45,7 +45,9 @@ def test_the_published_flash_and_pro_configs_are_recognised(driver):
     from tiny_models import flash_config, pro_config
 
     for name, config in (("Flash", flash_config()), ("Pro", pro_config())):
-        assert driver.recognises(published_config(config)) is True, f"the published {name} config.json was not recognised"
+        assert driver.recognises(published_config(config)) is True, (
+            f"the published {name} config.json was not recognised"
+        )
 
 
 def test_configs_transformers_saved_are_recognised(driver, conformance_base):

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.cpu
 
 #: a figure: "about 2 minutes and 5 GB", "about 15 seconds", "under ten minutes"
 FIGURE = re.compile(r"\b(?:about|under) (?:\d+|\w+) (?:seconds|minutes)(?: and \d+ GB)?")
-#: an engine the README names with the version the project installs for it (requirements/consumers-*.txt)
-ENGINES = {"vLLM": ("consumers-vllm.txt", "vllm"), "SGLang": ("consumers-sglang.txt", "sglang")}
+#: an engine the README names with the versions the project installs for it: one lane per release, each
+#: requirements/consumers-<dist>*.txt pinning one (vLLM: consumers-vllm.txt, consumers-vllm-0.34.txt)
+ENGINES = {"vLLM": "vllm", "SGLang": "sglang"}
 
 
 def _readme() -> str:
@@ -63,10 +64,15 @@ def test_the_venv_is_the_size_the_readme_says():
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
-def test_each_engine_version_the_readme_names_is_the_one_installed(engine):
-    file, dist = ENGINES[engine]
-    [pinned] = re.findall(rf"^{dist}==(\S+)", (REPO_ROOT / "requirements" / file).read_text(), flags=re.M)
+def test_each_engine_version_the_readme_names_is_one_installed(engine):
+    dist = ENGINES[engine]
+    lanes = sorted((REPO_ROOT / "requirements").glob(f"consumers-{dist}*.txt"))
+    pinned = {v for f in lanes for v in re.findall(rf"^{dist}==(\S+)", f.read_text(), flags=re.M)}
     named = re.findall(rf"\b{engine} (\d+(?:\.\d+)+)", _readme())
     assert named, f"the README no longer names {engine}'s version"
-    wrong = [v for v in named if not (pinned == v or pinned.startswith(v + "."))]
-    assert not wrong, f"the README names {engine} {wrong}; requirements/{file} installs {pinned}"
+    wrong = [v for v in named if not any(p == v or p.startswith(v + ".") for p in pinned)]
+    assert not wrong, (
+        f"the README names {engine} {wrong}; its lanes ({[f.name for f in lanes]}) install {sorted(pinned)}"
+    )
+    missing = [p for p in pinned if not any(p == v or p.startswith(v + ".") for v in named)]
+    assert not missing, f"{engine} {missing} has a lane the README does not name"

@@ -12,11 +12,14 @@ files of the same adapters (``fixtures/consumers/numerics.py``). Five adapters a
 ``numerics.py`` (``ULPS_FP32``, ``ULPS_BF16``); every comparison also asserts the LoRA effect is far above its
 tolerance in the same run.
 
-Which targets vLLM applies is impl's table (``impl.consumer_rule``), itself checked against vLLM's code by
+Each vLLM release runs in its own lane (``fixtures.consumers.VLLM_LANES``): its own LoRA classes make its numbers
+(0.34's ``DeepseekV4GroupedWoAWithLoRA`` for wo_a, reached through the attention's own ``_o_proj``). Which targets a
+release applies is impl's table (``impl.consumer_rule``), itself checked against that release's code by
 ``suites/reference/test_consumers.py``: applied targets must match PEFT; for ``loaded_not_applied`` ones the fraction of
 PEFT's delta vLLM's output carries is measured and must stay about 0 (1 means vLLM now applies it: the table
 must change). Stand-ins: only where a kernel cannot run on a CPU host, named in
-``fixtures/consumers/stand_ins.py`` (``KERNEL_STAND_INS``) and in the probe's report.
+``fixtures/consumers/stand_ins.py`` (``KERNEL_STAND_INS``) and in the probe's report; a host adaptation
+(``HOST_CHECKS``) only where the release refuses the host, reported by the probe and recorded here.
 """
 
 from __future__ import annotations
@@ -24,20 +27,22 @@ from __future__ import annotations
 import pytest
 
 from fixtures.asserts import assert_effect_exceeds
+from fixtures.consumers import VLLM_LANES, require_consumer_env
 from fixtures.consumers import numerics as nm
-from fixtures.consumers import require_consumer_env
+from fixtures.consumers.stand_ins import HOST_ADAPTATIONS, HOST_CHECKS
 
 pytestmark = [pytest.mark.cpu, pytest.mark.consumer_env, pytest.mark.xdist_group("consumers")]
 
-APPLIED_TARGETS = ("wq_a", "wq_b", "wkv", "wo_b")
 #: |fraction| below this: vLLM's output holds none of the delta beyond bf16 noise; above 1 - this: all of it
 FRACTION_SLACK = 0.05
+#: the LoRA class each release's manager installs around wo_a (the others are the generic linear ones)
+WO_A_WRAPPER = {"0.33.0": "ColumnParallelLinearWithLoRA", "0.34.0": "DeepseekV4GroupedWoAWithLoRA"}
 
 
-@pytest.fixture(scope="module")
-def measured(impl, tmp_path_factory) -> nm.Numerics:
-    require_consumer_env("vllm")
-    return nm.measured_once(impl, tmp_path_factory)
+@pytest.fixture(scope="module", params=VLLM_LANES)
+def measured(impl, tmp_path_factory, request) -> nm.Numerics:
+    require_consumer_env(request.param)
+    return nm.measured_once(impl, tmp_path_factory, request.param)
 
 
 def _variants(measured: nm.Numerics) -> list[str]:
@@ -54,7 +59,8 @@ def _status(impl, measured, variant: str, target: str) -> str:
 
 def test_vllm_runs_its_own_cpu_lora_stack(measured):
     report = measured.report
-    assert report["platform"] == "CpuPlatform", report["platform"]
+    release = report["version"]
+    assert report["platform"] == "CpuPlatform", f"vLLM {release}: {report['platform']}"
     for variant in _variants(measured):
         rec = report["variants"][variant]
         assert rec["punica"] == ["vllm/lora/punica_wrapper/punica_cpu.py:PunicaWrapperCPU"], rec["punica"]
@@ -62,22 +68,45 @@ def test_vllm_runs_its_own_cpu_lora_stack(measured):
         assert wrappers == {
             "fused_wqa_wkv": "MergedColumnParallelLinearWithLoRA",
             "wq_b": "ColumnParallelLinearWithLoRA",
-            "wo_a": "ColumnParallelLinearWithLoRA",
+            "wo_a": WO_A_WRAPPER[release],
             "wo_b": "RowParallelLinearWithLoRA",
-        }, wrappers
+        }, f"vLLM {release} {variant}: {wrappers}"
         assert rec["loaded"] == sorted(s for s, *_ in nm.ADAPTERS), rec["loaded"]
-    assert set(report["kernel_stand_ins"]) == {"torch.cuda.Event", "fused_inv_rope_fp8_quant"}
+    assert set(report["kernel_stand_ins"]) == {
+        "torch.cuda.Event",
+        "fused_inv_rope_fp8_quant",
+        "compute_fp8_einsum_recipe",
+    }
+
+
+def test_host_adaptations_are_the_named_ones_and_only_where_the_release_refuses(measured, record_property):
+    """Every adaptation the probe used is one stand_ins.py names; a waived start-up check only where the release
+    refused this host and the package it asks for is really absent (never where the real thing works)."""
+    report = measured.report
+    used = report["host_adaptations"]
+    record_property(f"vllm_{report['version']}_host_adaptations", used)
+    named = [*HOST_ADAPTATIONS, *HOST_CHECKS]
+    unnamed = [u for u in used if not any(u.startswith(n) for n in named)]
+    assert not unnamed, f"vLLM {report['version']}: adaptations stand_ins.py does not name: {unnamed}"
+    waived = [u for u in used if any(u.startswith(n) for n in HOST_CHECKS)]
+    assert not (waived and report["has_triton"]), f"vLLM {report['version']}: waived with Triton present: {waived}"
+    assert all(": refused (" in w for w in waived), f"vLLM {report['version']}: a check waived unrefused: {waived}"
 
 
 @pytest.mark.parametrize("dtype", nm.DTYPES)
 @pytest.mark.parametrize("mode", nm.MODES)
 def test_every_applied_target_equals_peft(impl, measured, mode, dtype, record_property):
+    """Every target the release applies (the table's word, itself the release's code's) equals PEFT, wherever the
+    probe measured it (wo_a: bf16, the o-projection's unquantized branch writing a bf16 buffer)."""
     checked, wrong = [], []
+    release = measured.report["version"]
     for variant in _variants(measured):
-        for target in (t for t in APPLIED_TARGETS if _status(impl, measured, variant, t) == "applied"):
+        for target in (t for t in nm.TRANSFORMERS_LEAF if _status(impl, measured, variant, t) == "applied"):
+            if f"{variant}/{dtype}/{mode}/layers.0.{target}" not in measured.vllm:
+                continue
             f = nm.figure(measured, variant, target, dtype, mode)
             checked.append(f.__dict__)
-            context = f"vllm/{variant} {target} {mode} {dtype}"
+            context = f"vllm/{variant} {release} {target} {mode} {dtype}"
             if f.worst_ratio > 1.0:
                 wrong.append(f"{context}: max |Δ| {f.max_delta:.3e} is {f.worst_ratio:.2f} x the tolerance")
             assert_effect_exceeds(
@@ -90,17 +119,21 @@ def test_every_applied_target_equals_peft(impl, measured, mode, dtype, record_pr
 
 @pytest.mark.parametrize("mode", nm.MODES)
 def test_wo_a_fraction_vllm_applies_follows_the_table(impl, measured, mode, record_property):
-    """vLLM's o-projection hands ``wo_a.weight`` to its kernel; measured with the inverse-RoPE Triton step replaced
-    by the identity at position 0 (stand_ins.inverse_rope_at_position_zero) and wo_b by the identity, in bf16
-    (the function's unquantized branch writes a bf16 buffer)."""
+    """wo_a through the NVIDIA attention's own ``_o_proj`` (0.33 hands ``wo_a.weight`` to ``deep_gemm_fp8_o_proj``;
+    0.34 calls the LoRA class's ``grouped_forward``), with the inverse-RoPE Triton step replaced by the identity at
+    position 0 (stand_ins.inverse_rope_at_position_zero) and wo_b by the identity, in bf16 (the unquantized branch
+    writes a bf16 buffer): the fraction of PEFT's delta must be the table's 0 or 1."""
     status = _status(impl, measured, "nvidia", "wo_a")
+    release = measured.report["version"]
     fraction = nm.applied_fraction(measured, "nvidia", "wo_a", "bfloat16", mode)
-    record_property("wo_a_fraction", fraction)
+    record_property(f"vllm_{release}_wo_a_fraction", fraction)
     if status == "loaded_not_applied":
         assert abs(fraction) < FRACTION_SLACK, (
-            f"vLLM now applies {fraction:.1%} of wo_a's LoRA delta: impl.CONSUMER_RULES (and the matrix) must "
-            "say applied"
+            f"vLLM {release} now applies {fraction:.1%} of wo_a's LoRA delta: impl.CONSUMER_RULES (and the matrix) "
+            "must say applied"
         )
     else:
-        assert status == "applied", status
-        assert abs(fraction - 1) < FRACTION_SLACK, f"impl says applied, vLLM applies {fraction:.1%} of the delta"
+        assert status == "applied", f"vLLM {release} wo_a: {status}"
+        assert abs(fraction - 1) < FRACTION_SLACK, (
+            f"impl says vLLM {release} applies wo_a, its output carries {fraction:.1%} of the delta"
+        )

@@ -12,7 +12,8 @@ VLLM_LORA_PLATFORMS = {"vllm/nvidia", "vllm/xpu"}  # docs/loading.md: "vllm mean
 
 
 def test_vllm_is_judged_on_every_platform_with_lora_support(impl):
-    verdict = impl.consumer_verdict("vllm", "official", ["wo_a"])
+    # 0.33.0: the release where neither LoRA platform applies wo_a, so each platform's rule shows in the verdict
+    verdict = impl.consumer_verdict("vllm", "official", ["wo_a"], "0.33.0")
     judged = {rule.consumer for rule in verdict.not_applied}
     assert judged == VLLM_LORA_PLATFORMS, f"vllm's wo_a verdict names the platforms {sorted(judged)}"
     problems = "\n".join(verdict.problems())

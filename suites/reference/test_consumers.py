@@ -5,7 +5,9 @@ exported in each dialect, and the implementation's stated beliefs (``CONSUMER_RU
 The expected values come from the engines (fixtures/consumers/probe_*.py run their loaders, mappers, packing,
 skip prefixes, target normalization and forward code); the implementation's table is what is under test. When
 an engine release changes its answer, these tests fail until the table (and what depends on it) follows.
-Skipped, with the reason, only where a consumer environment is not installed.
+One lane per engine release (``fixtures.consumers.LANES``: vLLM 0.33.0 and 0.34.0 each in its own environment):
+each release's cells are decided by that release's code, and every release the table holds rules for must have
+been run. Skipped, with the reason, only where a consumer environment is not installed.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import pytest
 
 from fixtures.consumers import (
     HERE,
+    LANES,
     MTP_ROW,
-    PROBES,
     TARGETS,
+    VLLM_LANES,
     WHOLE_ROW,
     Cell,
     ConsumerEnvMissing,
@@ -35,6 +38,10 @@ from fixtures.consumers import (
 pytestmark = [pytest.mark.cpu, pytest.mark.consumer_env, pytest.mark.xdist_group("consumers")]
 
 ROOT = Path(__file__).resolve().parents[2]
+#: lane -> the probe's control run (same process): vLLM 0.34 had it wrapped wo_a in the generic
+#: ColumnParallelLinearWithLoRA, which does not override grouped_forward
+GENERIC = "vllm.lora.layers.column_parallel_linear:ColumnParallelLinearWithLoRA"
+CONTROLS = {"vllm-0.34": ("--control", f"DeepseekV4GroupedWoA={GENERIC}")}
 
 
 @pytest.fixture(scope="module")
@@ -44,28 +51,32 @@ def exported(impl, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def probed(exported) -> dict[str, tuple[dict, list[Cell], list[str]]]:
-    """consumer -> (raw report, cells, notes); only consumers whose environment is installed."""
+    """lane -> (raw report, cells, notes); only lanes whose environment is installed."""
     cases, config = exported
     paths = sorted({c.path for c in cases if c.path is not None})
     out = {}
-    for name in PROBES:
+    for name in LANES:
         try:
             consumer_python(name)
         except ConsumerEnvMissing:
             continue
-        report = run_probe(name, paths, config)
+        report = run_probe(name, paths, config, options=CONTROLS.get(name, ()))
         out[name] = (report, *cells(report, cases))
     return out
 
 
 @pytest.fixture(scope="module")
 def numeric(impl, probed, tmp_path_factory) -> dict | None:
-    """The matrix's numeric column (fixtures/consumers/numerics.py); None without the vLLM environment."""
-    if "vllm" not in probed:
+    """The matrix's numeric column (fixtures/consumers/numerics.py) of every installed vLLM lane; None without."""
+    lanes = [lane for lane in VLLM_LANES if lane in probed]
+    if not lanes:
         return None
     from fixtures.consumers.numerics import matrix_column, measured_once
 
-    return matrix_column(impl, measured_once(impl, tmp_path_factory))
+    column = {}
+    for lane in lanes:
+        column.update(matrix_column(impl, measured_once(impl, tmp_path_factory, lane)))
+    return column
 
 
 def _absent(what: str) -> None:
@@ -78,7 +89,7 @@ def _absent(what: str) -> None:
 
 def _answers(probed, name: str) -> tuple[dict, list[Cell], list[str]]:
     if name not in probed:
-        _absent(f"{name} consumer environment not installed")
+        _absent(f"the {name} consumer lane is not installed")
     return probed[name]
 
 
@@ -88,7 +99,7 @@ def _cell(found: list[Cell], consumer: str, dialect: str, target: str) -> Cell:
     return matches[0]
 
 
-@pytest.mark.parametrize("name", sorted(PROBES))
+@pytest.mark.parametrize("name", sorted(LANES))
 def test_every_target_in_every_dialect_is_what_the_implementation_believes(impl, probed, name, record_property):
     report, found, notes = _answers(probed, name)
     record_property(f"{name}_matrix", [c.__dict__ for c in found])
@@ -110,16 +121,33 @@ def test_every_target_in_every_dialect_is_what_the_implementation_believes(impl,
     assert not wrong, f"{len(wrong)} cell(s) where impl.CONSUMER_RULES disagrees with {name}:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("name", sorted(PROBES))
+@pytest.mark.parametrize("name", sorted(LANES))
 def test_the_implementation_holds_no_belief_the_engine_was_not_asked(impl, probed, name):
     report, found, _ = _answers(probed, name)
     asked = {(c.consumer, c.version, c.dialect, c.target) for c in found}
     stale = [
         f"{r.consumer} {r.version} {r.dialect} {r.target}"
         for r in impl.CONSUMER_RULES
-        if r.consumer.split("/")[0] == name and (r.consumer, r.version, r.dialect, r.target) not in asked
+        if r.consumer.split("/")[0] == LANES[name]
+        and r.version == report["version"]
+        and (r.consumer, r.version, r.dialect, r.target) not in asked
     ]
-    assert not stale, f"impl.CONSUMER_RULES has rows no installed {name} ({report['version']}) answered: {stale}"
+    assert not stale, f"impl.CONSUMER_RULES has rows the {name} lane ({report['version']}) did not answer: {stale}"
+
+
+def test_every_release_the_implementation_holds_rules_for_is_a_lane_that_ran(impl, probed):
+    """A release no lane ran has no rules (so export and verify-adapter refuse it): every (engine, release) of
+    impl.CONSUMER_RULES is the version some installed lane's own code reported."""
+    if set(probed) != set(LANES):
+        _absent(f"every release needs its lane (installed: {sorted(probed)} of {sorted(LANES)})")
+    ran = {(LANES[name], probed[name][0]["version"]) for name in probed}
+    unrun = sorted(
+        {(r.consumer, r.version) for r in impl.CONSUMER_RULES if (r.consumer.split("/")[0], r.version) not in ran}
+    )
+    assert not unrun, f"impl.CONSUMER_RULES holds releases no lane ran: {unrun} (lanes ran {sorted(ran)})"
+    assert len({v for family, v in ran if family == "vllm"}) == len(VLLM_LANES), (
+        f"two vLLM lanes ran one release: {ran}"
+    )
 
 
 def test_sglang_normalizes_a_bare_wq_b_to_the_dsa_indexer(impl, probed):
@@ -133,19 +161,59 @@ def test_sglang_normalizes_a_bare_wq_b_to_the_dsa_indexer(impl, probed):
         assert rule is not None and rule.routed_to == cell.routed_to, f"impl does not know: {rule}"
 
 
-def test_vllm_loads_wo_a_but_its_forward_hands_the_weight_to_a_kernel(impl, probed):
-    _, found, _ = _answers(probed, "vllm")
-    cell = _cell(found, "vllm/nvidia", "official", "wo_a")
-    assert cell.status == "loaded_not_applied", f"vLLM now applies wo_a's LoRA: {cell.reason}"
-    assert "reads .weight directly" in cell.reason, cell.reason
-    for target in ("wq_a", "wq_b", "wkv", "wo_b"):
-        assert _cell(found, "vllm/nvidia", "official", target).status == "applied", target
-    rule = impl.consumer_rule("vllm/nvidia", cell.version, "official", "wo_a")
-    assert rule is not None and str(rule.status) == cell.status, f"impl believes {rule}"
+#: (release, platform) -> wo_a's status in the official dialect and the words of the source reading's reason: each
+#: release's expectation, strict (a release that starts applying wo_a fails it, and the matrix must follow)
+WO_A = {
+    ("0.33.0", "vllm/nvidia"): ("loaded_not_applied", "reads .weight directly"),  # deep_gemm_fp8_o_proj
+    ("0.33.0", "vllm/xpu"): ("loaded_not_applied", "reads .bmm_weight directly"),
+    ("0.34.0", "vllm/nvidia"): ("applied", "DeepseekV4GroupedWoAWithLoRA.grouped_forward reads lora_a_stacked"),
+    ("0.34.0", "vllm/xpu"): ("loaded_not_applied", "reads .bmm_weight directly"),
+}
 
 
-def test_vllm_skips_the_mtp_layer_and_refuses_transformers_names(impl, probed):
-    _, found, _ = _answers(probed, "vllm")
+@pytest.mark.parametrize("lane", VLLM_LANES)
+def test_each_vllm_release_decides_wo_a_by_its_own_code(impl, probed, lane):
+    report, found, _ = _answers(probed, lane)
+    release = report["version"]
+    expected = {platform: want for (version, platform), want in WO_A.items() if version == release}
+    assert expected, f"vLLM {release} (lane {lane}): no wo_a expectation; add its rows to WO_A"
+    for platform, (status, words) in expected.items():
+        cell = _cell(found, platform, "official", "wo_a")
+        assert cell.status == status, f"{platform} {release} wo_a: {cell.status}, expected {status}: {cell.reason}"
+        assert words in cell.reason, f"{platform} {release} wo_a: {words!r} not in {cell.reason}"
+        rule = impl.consumer_rule(platform, release, "official", "wo_a")
+        assert rule is not None and str(rule.status) == cell.status, f"{platform} {release}: impl believes {rule}"
+        for target in ("wq_a", "wq_b", "wkv", "wo_b"):
+            assert _cell(found, platform, "official", target).status == "applied", f"{platform} {release} {target}"
+
+
+@pytest.mark.parametrize("lane", VLLM_LANES)
+def test_every_applied_target_reaches_the_lora_class_vllm_installs(probed, lane):
+    """The source reading follows each use into the LoRA class vLLM's manager wraps the module in: an applied
+    target's evidence names that class's method reading the LoRA buffers, on every platform with LoRA."""
+    report, found, _ = _answers(probed, lane)
+    for cell in (c for c in found if c.dialect == "official" and c.target in TARGETS and c.status == "applied"):
+        wrapper = [e for e in cell.evidence if e.startswith("vllm/lora/layers/")]
+        assert wrapper, (
+            f"{cell.consumer} {report['version']} {cell.target}: applied without reaching a LoRA class: {cell.evidence}"
+        )
+
+
+def test_a_bypassed_lora_wrapper_reads_as_loaded_not_applied(probed, exported):
+    """The control: had vLLM 0.34 wrapped wo_a in the generic ColumnParallelLinearWithLoRA (which does not override
+    grouped_forward), the NVIDIA o-projection's wo_a.grouped_forward would run on the base layer alone; the reading
+    must say so, where the class vLLM really installs reads as applied (above)."""
+    report, _, _ = _answers(probed, "vllm-0.34")
+    cases, _ = exported
+    path = next(c.path for c in cases if (c.dialect, c.target) == ("official", "wo_a"))
+    outcome = report["variants"]["nvidia"]["control"][str(path)]["modules"]["layers.0.attn.wo_a"]
+    assert outcome["status"] == "loaded_not_applied", f"vLLM {report['version']} wo_a under {GENERIC}: {outcome}"
+    assert "does not define .grouped_forward" in outcome["reason"], outcome["reason"]
+
+
+@pytest.mark.parametrize("lane", VLLM_LANES)
+def test_vllm_skips_the_mtp_layer_and_refuses_transformers_names(impl, probed, lane):
+    _, found, _ = _answers(probed, lane)
     assert _cell(found, "vllm/nvidia", "official", MTP_ROW).status == "skipped"
     assert _cell(found, "vllm/nvidia", "transformers", WHOLE_ROW).status == "rejected"
     for target in (MTP_ROW, WHOLE_ROW):
@@ -155,11 +223,11 @@ def test_vllm_skips_the_mtp_layer_and_refuses_transformers_names(impl, probed):
 
 
 def test_the_consumer_matrix_is_the_generated_one(probed, exported, numeric):
-    if set(probed) != set(PROBES):
-        _absent(f"the consumer matrix needs every consumer environment (installed: {sorted(probed)})")
+    if set(probed) != set(LANES):
+        _absent(f"the consumer matrix needs every consumer lane (installed: {sorted(probed)})")
     cases, _ = exported
-    found = [c for name in sorted(PROBES) for c in probed[name][1]]
-    notes = [n for name in sorted(PROBES) for n in probed[name][2]]
+    found = [c for name in LANES for c in probed[name][1]]
+    notes = [n for name in LANES for n in probed[name][2]]
     section = readme_section((ROOT / "docs" / "consumers.md").read_text())
     assert section is not None, "docs/consumers.md lost its consumer-matrix markers"
     assert section == render_matrix(found, cases, notes, numeric), (
@@ -224,10 +292,11 @@ def test_exporting_for_an_engine_refuses_exactly_the_targets_it_would_not_apply(
     assert found and not wrong, "\n".join(wrong)
 
 
-def test_official_names_are_vllms_own_module_paths_so_no_vllm_dialect_is_needed(probed, exported):
+@pytest.mark.parametrize("lane", VLLM_LANES)
+def test_official_names_are_vllms_own_module_paths_so_no_vllm_dialect_is_needed(probed, exported, lane):
     """vLLM's hf_to_vllm_mapper only prefixes ``model.``: every official decoder-layer module lands on the vLLM module
     of the same path (or the packed module beside it), so a separate vllm dialect would name the same modules."""
-    report, _, _ = _answers(probed, "vllm")
+    report, _, _ = _answers(probed, lane)
     cases, _ = exported
     path = next(c.path for c in cases if (c.dialect, c.target) == ("official", WHOLE_ROW))
     modules = report["variants"]["nvidia"]["adapters"][str(path)]["modules"]
