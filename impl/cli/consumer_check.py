@@ -1,6 +1,6 @@
 """``dsv4-lora verify-adapter --consumer`` and ``dsv4-lora export --consumer``: an adapter judged by the rules of the
-consumer that will load it (:data:`impl.adapter.consumers.CONSUMER_RULES`, checked against the consumers' own code
-by ``suites/reference/test_consumers.py``).
+consumer that will load it (:data:`dsv4_conformance.judge.consumers.CONSUMER_RULES`, the judge's table, checked
+against the consumers' own code by ``suites/reference/test_consumers.py``).
 
 ``--consumer NAME`` judges by the newest engine release impl holds rules for (one a lane tested; the command prints
 which, and the tested ones); ``--consumer NAME==RELEASE`` (or ``--consumer-version``) names another tested release,

@@ -4,7 +4,8 @@ the conformance judge (``dsv4_conformance``).
 A name table, shape rule or expected value shared by the implementation and the suite's oracle hides every bug in
 it. Allowed, by exact module and imported name: the command line writes its embedded default base and the
 Flash/Pro manifests with ``tiny_models``, ``qualify``'s rank side (its base-logit and reload steps) loads the transformers
-oracle with it, and ``verify-adapter`` reports the conformance judge's verdict and reloads through the judge's oracle.
+oracle with it, ``verify-adapter`` reports the conformance judge's verdict and reloads through the judge's oracle, and the exporter
+fails closed by the judge's consumer rules (facts about the engines, checked against their code).
 """
 
 from __future__ import annotations
@@ -28,7 +29,24 @@ ALLOWED = {
     ("cli/main.py", "tiny_models.presets", "pro_config"),
     ("cli/qualify_rank.py", "tiny_models.oracle", "load_oracle"),
     ("cli/qualify_adapter.py", "tiny_models.oracle", "load_oracle"),
-    ("cli/logits.py", "dsv4_conformance.judge.oracle", "LOGIT_RULE"),  # qualify's float32 rule is the judge's
+    ("cli/logits.py", "dsv4_conformance.judge.oracle", "LOGIT_RULE"),
+    # the engines' rules (facts about the engines, checked against their own code): the exporter fails closed by them
+    *(
+        ("adapter/consumers.py", "dsv4_conformance.judge.consumers", name)
+        for name in (
+            "CONSUMER_RULES",
+            "MTP",
+            "OFF_TARGET_HAZARD",
+            "OFF_TARGET_PEFT",
+            "TARGET_LEAVES",
+            "WHOLE_ADAPTER",
+            "ConsumerRule",
+            "ConsumerStatus",
+            "consumer_rule",
+            "tested_versions",
+            "unapplied_targets",
+        )
+    ),  # qualify's float32 rule is the judge's
     # verify-adapter reports the conformance judge's verdict and reloads through the judge's oracle
     ("cli/verify.py", "dsv4_conformance.judge.artifacts", "judge_adapter_dir"),
     *(
