@@ -91,6 +91,20 @@ def _run_one(item, tests: tuple[str, ...], copy_dir: Path, timeout: float):
     return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=outcome, output=tail, diff=diff)
 
 
+class ControlFailed(RuntimeError):
+    """The module's tests fail on the unmutated copy: every mutant would look killed."""
+
+
+def _control(module: CampaignModule, copy_dir: Path, timeout: float) -> None:
+    """Run the module's tests on the copy before any mutation: a kill means something only if they pass there."""
+    args = ["-m", "cpu", "-n", "0", "-p", "no:randomly", "-p", "no:cacheprovider", "-x", "-q", "--impl", COPY_NAME]
+    rc, out = pytest_on_copy([*args, *module.tests], copy_dir=copy_dir, copy_name=COPY_NAME, timeout=timeout)
+    if rc != 0:
+        tail = "\n".join(out.strip().splitlines()[-12:])
+        raise ControlFailed(f"{module.path}: its tests fail on the unmutated copy (exit {rc}):\n{tail}")
+    print(f"campaign: {module.path}: control run on the unmutated copy passed", file=sys.stderr)
+
+
 def run_module(module: CampaignModule, work: Path, timeout: float, limit: int | None = None, rng=None) -> None:
     """Run the pending mutants of ``module`` (``limit`` random ones with ``rng``), recording each in its session."""
     from cosmic_ray.work_db import WorkDB, use_db
@@ -102,6 +116,7 @@ def run_module(module: CampaignModule, work: Path, timeout: float, limit: int | 
     if not db_path.exists():
         _initialise(module, module_file, db_path)
     annotations = annotation_spans(module_file.read_text())
+    _control(module, copy.path, timeout)
     with use_db(str(db_path), WorkDB.Mode.open) as db:
         pending = list(db.pending_work_items)
         if rng is not None:
