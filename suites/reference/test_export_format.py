@@ -178,6 +178,13 @@ def test_each_dialect_names_the_adapter_its_consumer_expects(api, tiny, dialect,
     src = native["decoder.layers.1.self_attention.wq_b.adapter.linear_in.weight"]
     assert torch.equal(tensors[a_name], src)
     assert len(tensors) == len(native)
+    # what its consumer matches target_modules against: vLLM and SGLang compare module leaves with a list, PEFT
+    # fullmatches one regex over transformers' module paths
+    modules = config["target_modules"]
+    if dialect == "transformers":
+        assert isinstance(modules, str) and "q_b_proj" in modules, f"{dialect}: target_modules {modules!r}"
+    else:
+        assert isinstance(modules, list) and "wq_b" in modules, f"{dialect}: target_modules {modules!r}, not leaves"
 
 
 def test_mtp_adapters_are_rejected_for_transformers_unless_excluded_and_kept_for_official(api, tiny) -> None:
