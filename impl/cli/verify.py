@@ -148,6 +148,12 @@ def verify_adapter(
     return res
 
 
+def _transformers_named(modules) -> bool:
+    """Every module is named as transformers' model names it (what the judge and PEFT's reload read)."""
+    places = [place_module(m) for m in modules]
+    return bool(modules) and all(p is not None and p.dialect == "transformers" for p in places)
+
+
 _NO_JUDGE = VerifyCheck("conformance", None, "skipped: the base has problems")
 
 
@@ -157,8 +163,7 @@ def _judge_check(base: Path, adapter: Path, modules, res: VerifyResult) -> Verif
     above found none: then it caught what they missed; otherwise they are the same causes seen twice."""
     from dsv4_conformance.judge.artifacts import judge_adapter_dir
 
-    places = [place_module(m) for m in modules]
-    if not modules or not all(p is not None and p.dialect == "transformers" for p in places):
+    if not _transformers_named(modules):
         return VerifyCheck("conformance", None, "only for adapters in transformers' naming (what PEFT loads)")
     problems = [str(p) for p in judge_adapter_dir(adapter, base)]
     if not problems:
@@ -188,8 +193,7 @@ def _forward_check(base: Path, adapter: Path, modules, res: VerifyResult) -> Ver
     from impl.lora.peft_loader import load_peft_adapter
     from impl.native.config import V4Config
 
-    places = [place_module(m) for m in modules]
-    if not modules or not all(p is not None and p.dialect == "transformers" for p in places):
+    if not _transformers_named(modules):
         return VerifyCheck("forward", None, "only for transformers-dialect adapters")
     cfg = AutoConfig.from_pretrained(base)
     seq = V4Config.from_hf(cfg).min_seq_len

@@ -42,7 +42,8 @@ from pathlib import Path
 VERSION = "0.7.0"
 ENV = "NEMO_AUTOMODEL_ENV"
 ROOT = Path(__file__).resolve().parents[2]
-#: how long the worker may take to import AutoModel (about 15 s on an idle host) and answer one request
+#: how long the worker may take to import AutoModel and answer one request: generous, since a loaded CI host
+#: runs several interpreters at once and a worker that is slow is not a worker that failed
 STARTUP_S = 600.0
 REQUEST_S = 600.0
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from dsv4_conformance.judge import consumers as judge_consumers
+
 pytestmark = pytest.mark.cpu
 
 ORACLE_PACKAGES = ("tiny_models", "fixtures", "dsv4_conformance")
@@ -29,24 +31,9 @@ ALLOWED = {
     ("cli/main.py", "tiny_models.presets", "pro_config"),
     ("cli/qualify_rank.py", "tiny_models.oracle", "load_oracle"),
     ("cli/qualify_adapter.py", "tiny_models.oracle", "load_oracle"),
-    ("cli/logits.py", "dsv4_conformance.judge.oracle", "LOGIT_RULE"),
+    ("cli/logits.py", "dsv4_conformance.judge.oracle", "LOGIT_RULE"),  # qualify's float32 rule is the judge's
     # the engines' rules (facts about the engines, checked against their own code): the exporter fails closed by them
-    *(
-        ("adapter/consumers.py", "dsv4_conformance.judge.consumers", name)
-        for name in (
-            "CONSUMER_RULES",
-            "MTP",
-            "OFF_TARGET_HAZARD",
-            "OFF_TARGET_PEFT",
-            "TARGET_LEAVES",
-            "WHOLE_ADAPTER",
-            "ConsumerRule",
-            "ConsumerStatus",
-            "consumer_rule",
-            "tested_versions",
-            "unapplied_targets",
-        )
-    ),  # qualify's float32 rule is the judge's
+    *(("adapter/consumers.py", "dsv4_conformance.judge.consumers", name) for name in judge_consumers.__all__),
     # verify-adapter reports the conformance judge's verdict and reloads through the judge's oracle
     ("cli/verify.py", "dsv4_conformance.judge.artifacts", "judge_adapter_dir"),
     *(
