@@ -28,6 +28,7 @@ import pytest
 
 from fixtures.asserts import assert_effect_exceeds
 from fixtures.consumers import VLLM_LANES, require_consumer_env
+from fixtures.consumers import golden_numerics as gn
 from fixtures.consumers import numerics as nm
 from fixtures.consumers.stand_ins import HOST_ADAPTATIONS, HOST_CHECKS
 
@@ -137,3 +138,34 @@ def test_wo_a_fraction_vllm_applies_follows_the_table(impl, measured, mode, reco
         assert abs(fraction - 1) < FRACTION_SLACK, (
             f"impl says vLLM {release} applies wo_a, its output carries {fraction:.1%} of the delta"
         )
+
+
+@pytest.mark.parametrize("dtype", nm.DTYPES)
+def test_vllm_reproduces_the_golden_vectors_of_what_it_applies(impl, measured, dtype, record_property):
+    """vLLM's own LoRA stack on the golden files an engine's CI would use (``golden/v1/``: its base, its ``official``
+    adapters one target per slot, its inputs, loaded by the probe itself): on every token of both paths, every
+    target the release applies gives the expected vector within the golden README's rule; one it does not apply
+    keeps the base vector and misses the adapted one (strict: a release that starts applying it fails here, and the
+    table and the matrix must change). In the same run, at every adapted token the adapted and base vectors lie
+    more than twice the tolerance apart, so dropping the adapter at any one token is caught."""
+    release, checked, wrong = measured.report["version"], [], []
+    for variant in _variants(measured):
+        for mode in nm.MODES:
+            for target in gn.TARGETS:
+                c = gn.check(measured.vllm, f"{variant}/{dtype}/{mode}", target, dtype)
+                if c is None:  # wo_a: the o-projection runs here in bf16 on the NVIDIA path only
+                    continue
+                checked.append({"variant": variant, "mode": mode, **c.__dict__})
+                context = f"vllm/{variant} {release} {target} {mode} {dtype}"
+                assert_effect_exceeds(c.least_effect, 1.0, factor=2.0, what=f"{target}'s adapter", context=context)
+                if _status(impl, measured, variant, target) == "applied":
+                    if c.worst_vs_expected > 1.0:
+                        wrong.append(f"{context}: {c.worst_vs_expected:.2f} x the golden tolerance")
+                elif c.worst_adapted_vs_base > 1.0 or c.worst_vs_expected <= 1.0:
+                    wrong.append(
+                        f"{context}: the table says not applied, yet the output is {c.worst_adapted_vs_base:.2f} x "
+                        f"the tolerance from the base vector and {c.worst_vs_expected:.2f} x from the adapted one"
+                    )
+    record_property("golden", checked)
+    assert checked, "the probe measured no golden vector"
+    assert not wrong, "vLLM against golden/v1:\n" + "\n".join(wrong)
