@@ -200,6 +200,28 @@ def test_mtp_adapters_are_rejected_for_transformers_unless_excluded_and_kept_for
     assert "base_model.model.mtp.0.attn.wq_a.lora_B.weight" in official
 
 
+def test_a_state_declaring_its_targets_in_every_layer_is_published(api, tiny) -> None:
+    """What the gather hands over when every rank held every target: ``targets`` and ``num_layers`` declared, every
+    declared target present in every layer. The check that each layer has them must find them, not refuse."""
+    cfg, _, _ = tiny
+    native = _native(cfg, PLAIN)
+    state = api.AdapterState(native, r=R, alpha=ALPHA, targets=list(PLAIN), num_layers=cfg.num_hidden_layers)
+    tensors, _ = api.publish_in_memory(state)
+    assert len(tensors) == len(native) == 2 * len(PLAIN) * cfg.num_hidden_layers, sorted(tensors)[:4]
+
+
+def test_published_modules_come_in_model_order_with_mtp_last(api, tiny) -> None:
+    """The published tensors (what a rollout weight sync streams) come module by module in model order: decoder
+    layers ascending, then the MTP layer."""
+    cfg, _, _ = tiny
+    shapes = {k: v for k, v in _shapes(cfg).items() if k in PLAIN}
+    native = make_native_adapter(shapes, cfg.num_hidden_layers, R, mtp=True)
+    tensors, _ = api.publish_in_memory(api.AdapterState(native, r=R, alpha=ALPHA), dialect="official")
+    scopes = [".".join(k.removeprefix("base_model.model.").split(".")[:2]) for k in tensors]
+    want = [f"layers.{i}" for i in range(cfg.num_hidden_layers)] + ["mtp.0"]
+    assert list(dict.fromkeys(scopes)) == want, f"published in the order {list(dict.fromkeys(scopes))}"
+
+
 def test_fingerprint_detects_a_different_base(api, tiny, tmp_path) -> None:
     cfg, model, _ = tiny
     base = {k: v.clone() for k, v in model.state_dict().items()}

@@ -4,6 +4,7 @@ The V4 facts below are written out from the module tree (docs/reference/v4_archi
 implementation's table. A fictional target (native ``wx``, official ``wx``, transformers ``x_proj``) added to a COPY
 of the table then reaches the qualifier, every naming dialect, the native-name parser the gather and the exporter
 read adapter names with, verify's name translation and the command line's default targets.
+The names the dialects read back are values, and an MTP module translates only into the dialect that has MTP.
 """
 
 from __future__ import annotations
@@ -119,6 +120,42 @@ def test_verify_name_translation_maps_a_new_row_both_ways(impl, table):
         assert impl.resolve_module(path) is None, f"{path}: resolved without the new row"
         for other, other_path in WX_PATHS.items():
             assert impl.translate_module(path, other, table) == other_path, f"{path} -> {other}"
+
+
+def test_an_mtp_module_translates_only_into_a_dialect_that_has_mtp(impl):
+    """Only the official naming has an MTP module (mtp.0.attn.<leaf>): translating one into transformers or SGLang
+    naming gives None (their models have no MTP layer), never a decoder layer's name or an error; a path naming no
+    target gives None in every dialect."""
+    official = "mtp.0.attn.wq_a"
+    ref = impl.resolve_module(official)
+    assert (ref.dialect, ref.layer, ref.official_weight) == ("official", None, "mtp.0.attn.wq_a.weight"), ref
+    got = {dialect: impl.translate_module(official, dialect) for dialect in sorted(impl.DIALECTS)}
+    assert got == {"official": official, "sglang": None, "transformers": None}, f"{official} translated to {got}"
+    for path in ("layers.0.ffn.gate", "model.layers.0.mlp.gate"):
+        got = {dialect: impl.translate_module(path, dialect) for dialect in sorted(impl.DIALECTS)}
+        assert set(got.values()) == {None}, f"{path} names no target, translated to {got}"
+
+
+#: what the public API hands a caller about names: a dialect of the table, a parsed native name, a resolved module
+NAME_VALUES = {
+    "dialect": lambda impl: impl.DIALECTS["official"],
+    "parsed native name": lambda impl: impl.parse_native(
+        "decoder.layers.1.self_attention.wq_a.adapter.linear_in.weight"
+    ),
+    "resolved module": lambda impl: impl.resolve_module("model.layers.3.self_attn.q_a_proj"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(NAME_VALUES))
+def test_dialects_and_the_names_read_back_are_immutable_values(impl, what):
+    """A caller may key a dict or fill a set with them, and none can change the shared dialect table (and with it
+    every later export's names) or a result another caller holds by assigning to a field."""
+    value = NAME_VALUES[what](impl)
+    assert len({value, NAME_VALUES[what](impl)}) == 1, f"{what}: equal values hash apart"
+    field = next(iter(vars(value)))
+    with pytest.raises(AttributeError):
+        setattr(value, field, None)
+    assert getattr(value, field) is not None, f"{what}: its {field} was changed"
 
 
 def test_cli_default_recipe_and_qualify_targets_are_the_tables_main_targets(impl, table):
