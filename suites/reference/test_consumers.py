@@ -25,6 +25,7 @@ from fixtures.consumers import (
     TARGETS,
     VLLM_LANES,
     WHOLE_ROW,
+    AdapterCase,
     Cell,
     ConsumerEnvMissing,
     cells,
@@ -34,10 +35,16 @@ from fixtures.consumers import (
     render_matrix,
     run_probe,
 )
+from tiny_models.golden import NAMINGS
 
 pytestmark = [pytest.mark.cpu, pytest.mark.consumer_env, pytest.mark.xdist_group("consumers")]
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the golden vectors (golden/v1/README.md): every probe also judges their adapters, each naming, one target each
+GOLDEN = ROOT / "golden" / "v1"
+GOLDEN_CASES = [
+    AdapterCase(naming, target, GOLDEN / "adapters" / naming / target) for naming in NAMINGS for target in TARGETS
+]
 #: lane -> the probe's control run (same process): vLLM 0.34 had it wrapped wo_a in the generic
 #: ColumnParallelLinearWithLoRA, which does not override grouped_forward
 GENERIC = "vllm.lora.layers.column_parallel_linear:ColumnParallelLinearWithLoRA"
@@ -51,7 +58,8 @@ def exported(impl, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def probed(exported) -> dict[str, tuple[dict, list[Cell], list[str]]]:
-    """lane -> (raw report, cells, notes); only lanes whose environment is installed."""
+    """lane -> (raw report, cells, notes); only lanes whose environment is installed. The same run judges the
+    golden vectors' adapters (:data:`GOLDEN_CASES`, read by :func:`test_each_engine_judges_the_golden_adapters_by_the_same_rules`)."""
     cases, config = exported
     paths = sorted({c.path for c in cases if c.path is not None})
     out = {}
@@ -60,7 +68,7 @@ def probed(exported) -> dict[str, tuple[dict, list[Cell], list[str]]]:
             consumer_python(name)
         except ConsumerEnvMissing:
             continue
-        report = run_probe(name, paths, config, options=CONTROLS.get(name, ()))
+        report = run_probe(name, paths, config, options=CONTROLS.get(name, ()), golden=GOLDEN)
         out[name] = (report, *cells(report, cases))
     return out
 
@@ -119,6 +127,25 @@ def test_every_target_in_every_dialect_is_what_the_implementation_believes(impl,
                 f"{cell.routed_to}): {cell.reason[:400]} [{'; '.join(cell.evidence)}]"
             )
     assert not wrong, f"{len(wrong)} cell(s) where impl.CONSUMER_RULES disagrees with {name}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("name", sorted(LANES))
+def test_each_engine_judges_the_golden_adapters_by_the_same_rules(impl, probed, name):
+    """The golden vectors' adapters (what an engine's own CI loads: each naming, one target each, on the golden base)
+    get from every engine the verdict the rules give ours: the rules describe the engine, not our exporter."""
+    report, _, _ = _answers(probed, name)
+    found, _ = cells(report, GOLDEN_CASES)
+    assert found, f"{name} {report['version']}: the probe judged none of golden/v1's adapters"
+    wrong = []
+    for cell in found:
+        rule = impl.consumer_rule(cell.consumer, cell.version, cell.dialect, cell.target)
+        believed = None if rule is None else (str(rule.status), rule.routed_to)
+        if believed != (cell.status, cell.routed_to):
+            wrong.append(
+                f"{cell.consumer} {cell.version} golden/v1 {cell.dialect}/{cell.target}: the rules say "
+                f"{believed}, the engine says {(cell.status, cell.routed_to)}: {cell.reason[:300]}"
+            )
+    assert not wrong, f"{len(wrong)} golden adapter(s) judged otherwise than the rules say:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("name", sorted(LANES))
