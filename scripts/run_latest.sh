@@ -3,12 +3,15 @@
 # (requirements/latest.txt, installed by `DSV4_LANE=latest scripts/install.sh .venv-latest`).
 #   scripts/run_latest.sh [pytest args]          the megatron-free files (fixtures/runner/pins.py) with megatron made
 #                                                unimportable, then whether Megatron-Bridge imports under this
-#                                                transformers (xfails/latest.txt: it does not under 5.24)
+#                                                transformers (xfails/latest.txt)
 #   scripts/run_latest.sh bridge [pytest args]   the rest of the files that use transformers or PEFT, as a pin
-#                                                runs them (not slow but the qualify runs; dev hypothesis
-#                                                profile), with the newest
-#                                                transformers Bridge imports under (requirements/latest-bridge.txt)
-#                                                as an overlay over .venv-latest (xfails/latest-bridge.txt)
+#                                                runs them (not slow but the qualify runs; dev hypothesis profile),
+#                                                under the newest transformers Bridge imports under
+#                                                (requirements/latest-bridge.txt; an overlay over .venv-latest where
+#                                                it differs from the venv's; xfails/latest-bridge.txt)
+#   scripts/run_latest.sh previous [pytest args] the first half again under the previous transformers release
+#                                                (requirements/latest-previous.txt, an overlay;
+#                                                xfails/latest-previous.txt)
 # Environment: VENV (default .venv-latest), PINS_DIR (default .pins), DSV4_PIN_WORKERS, DSV4_PIN_HYPOTHESIS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +21,35 @@ PINS_DIR=${PINS_DIR:-.pins}
 status=0
 note() { local rc=$?; [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc; return 0; }
 
+# overlay REQUIREMENTS_FILE: prints a PYTHONPATH entry holding the file's transformers pin (a --target install under
+# $PINS_DIR), or nothing where the venv already has it
+overlay() {
+  local spec dir
+  spec=$(grep -E '^transformers==' "$1")
+  if [ "$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("transformers"))')" = "${spec#transformers==}" ]; then
+    return 0
+  fi
+  dir="$PINS_DIR/transformers-${spec#transformers==}"
+  mkdir -p "$PINS_DIR"
+  [ -f "$PINS_DIR/.gitignore" ] || echo '*' >"$PINS_DIR/.gitignore"
+  if [ ! -f "$dir/.overlay-spec" ] || [ "$(cat "$dir/.overlay-spec")" != "$spec" ]; then
+    rm -rf "$dir"
+    # the latest venv was installed without the host's version cap (scripts/install.sh); so is its overlay
+    PIP_CONSTRAINT=/dev/null "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+      --target "$dir" "$spec" >&2
+    echo "$spec" >"$dir/.overlay-spec"
+  fi
+  echo "$PWD/$dir"
+}
+
+if [ "${1:-}" = previous ]; then
+  shift
+  pp=$(overlay requirements/latest-previous.txt)
+  PYTHONPATH="$pp" scripts/run_pin.sh independent -m "cpu and pin_independent and not consumer_env" "$@" || note
+  PYTHONPATH="$pp" "$VENV/bin/python" -m pytest -m cpu -n 0 -q --xfails-file xfails/latest-previous.txt \
+    suites/reference/test_bridge_imports.py "$@" || note
+  exit "$status"
+fi
 if [ "${1:-}" != bridge ]; then
   # the consumer environments' code is the same in every lane: their tests (consumer_env) run in the main lane only
   scripts/run_pin.sh independent -m "cpu and pin_independent and not consumer_env" "$@" || note
@@ -25,17 +57,7 @@ if [ "${1:-}" != bridge ]; then
   exit "$status"
 fi
 shift
-spec=$(grep -E '^transformers==' requirements/latest-bridge.txt)
-overlay="$PINS_DIR/transformers-${spec#transformers==}"
-mkdir -p "$PINS_DIR"
-[ -f "$PINS_DIR/.gitignore" ] || echo '*' >"$PINS_DIR/.gitignore"
-if [ ! -f "$overlay/.overlay-spec" ] || [ "$(cat "$overlay/.overlay-spec")" != "$spec" ]; then
-  rm -rf "$overlay"
-  # the latest venv was installed without the host's version cap (scripts/install.sh); so is its overlay
-  PIP_CONSTRAINT=/dev/null "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-    --target "$overlay" "$spec"
-  echo "$spec" >"$overlay/.overlay-spec"
-fi
+pp=$(overlay requirements/latest-bridge.txt)
 paths=()
 for arg in "$@"; do [[ $arg == suites/* || $arg == *.py* ]] && paths+=("$arg"); done
 # Of the rest, the files that use transformers or PEFT (marked transformers from their source), as a pin runs them
@@ -44,7 +66,7 @@ for arg in "$@"; do [[ $arg == suites/* || $arg == *.py* ]] && paths+=("$arg"); 
 marks="cpu and not pin_independent and (not slow or bridge_path) and not harness and transformers"
 if [ ${#paths[@]} -eq 0 ]; then set -- suites -m "$marks" "$@"; else set -- -m cpu "$@"; fi
 start=$(date +%s)
-PYTHONPATH="$PWD/$overlay" "$VENV/bin/python" -m pytest -n "${DSV4_PIN_WORKERS:-2}" --dist loadgroup -q \
+PYTHONPATH="$pp" "$VENV/bin/python" -m pytest -n "${DSV4_PIN_WORKERS:-2}" --dist loadgroup -q \
   --hypothesis-profile="${DSV4_PIN_HYPOTHESIS:-dev}" --xfails-file xfails/latest-bridge.txt "$@" || note
 echo "run_latest: bridge half took $(( $(date +%s) - start ))s" >&2
 exit "$status"

@@ -4,7 +4,8 @@ A lane is one environment CI tests: the main ``.venv`` (``requirements/base.txt`
 Megatron-Bridge pin), the older Bridge pins (``scripts/pin_overlay.sh``: bridge and core over the main venv) and
 the GPU machine's image rehearsal (``requirements/device-image.txt``, no megatron), and the latest lane
 (``requirements/latest.txt``: the newest torch, transformers and PEFT; its Bridge half runs with the newest
-transformers Megatron-Bridge imports under, ``requirements/latest-bridge.txt``). ``suites/reference/test_tested_versions.py``
+transformers Megatron-Bridge imports under, ``requirements/latest-bridge.txt``; its megatron-free files run again
+under the previous transformers release, ``requirements/latest-previous.txt``). ``suites/reference/test_tested_versions.py``
 reads those files and the README's table independently and fails when this table differs from them. A version
 found in no lane is not an error: ``qualify`` says so in one line and records it in its JSON report.
 """
@@ -27,8 +28,9 @@ LANES: dict[str, dict[str, str]] = {
     "bridge05": {**_MAIN, "megatron-bridge": "0.5.1"},
     "bridge04": {**_MAIN, "megatron-bridge": "0.4.2", "megatron-core": "0.17.1"},
     "device-image": {"torch": "2.11.0", "transformers": "5.17.0", "peft": "0.21.2", "safetensors": "0.8.0"},
-    "latest": {**_MAIN, "torch": "2.15.0", "transformers": "5.24.0"},
-    "latest-bridge": {**_MAIN, "torch": "2.15.0", "transformers": "5.23.0"},
+    "latest": {**_MAIN, "torch": "2.15.0", "transformers": "5.25.0"},
+    "latest-previous": {**_MAIN, "torch": "2.15.0", "transformers": "5.24.0"},
+    "latest-bridge": {**_MAIN, "torch": "2.15.0", "transformers": "5.25.0"},
 }
 
 

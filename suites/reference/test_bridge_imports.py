@@ -2,7 +2,7 @@
 
 Megatron-Bridge imports transformers modules at its own import (a model file per family); a transformers that no
 longer has one of them makes Bridge unimportable, and with it the native graph, the strict load and ``qualify``. The
-latest lane (``xfails/latest.txt``) runs where that happens; elsewhere the same error is produced by hiding one
+latest lane runs where that happens (``xfails/latest-previous.txt``: transformers 5.24); elsewhere the same error is produced by hiding one
 transformers module from a fresh interpreter, so the message is proven on every lane.
 """
 
@@ -17,7 +17,7 @@ from fixtures.runner.subproc import run
 
 pytestmark = pytest.mark.cpu
 
-#: a transformers module megatron-bridge 0.6.2 imports at its own import (transformers 5.24 removed it)
+#: a transformers module megatron-bridge 0.6.2 imports at its own import (transformers 5.24 removed it, 5.25 has it)
 HIDDEN = "transformers.modeling_attn_mask_utils"
 
 _HIDE_AND_PREPARE = f"""

@@ -2,7 +2,7 @@
 
 The lanes' versions are read here from the files that make the environments (``requirements/base.txt``,
 ``scripts/install.sh``'s Megatron-Bridge pin, the pins ``.ci/run`` runs with ``scripts/pin_overlay.sh``'s core for
-each, ``requirements/device-image.txt``, ``requirements/latest.txt`` and its Bridge half's ``latest-bridge.txt``), not from the implementation; the implementation's table and the version table of
+each, ``requirements/device-image.txt``, ``requirements/latest.txt``, its Bridge half's ``latest-bridge.txt`` and ``latest-previous.txt``), not from the implementation; the implementation's table and the version table of
 ``docs/pins_and_lanes.md`` must both say the same.
 """
 
@@ -43,12 +43,22 @@ def _lanes_from_files() -> dict[str, dict[str, str]]:
         latest = {**_requirements("latest.txt"), "megatron-bridge": main["megatron-bridge"]}
         lanes["latest"] = latest
         lanes["latest-bridge"] = {**latest, **_requirements("latest-bridge.txt")}
+    if "scripts/run_latest.sh previous" in (ROOT / ".ci/run").read_text():
+        lanes["latest-previous"] = {**lanes["latest"], **_requirements("latest-previous.txt")}
     return lanes
 
 
 def test_the_lanes_are_the_environments_ci_builds(impl):
     want = _lanes_from_files()
-    assert set(want) >= {"main", "bridge05", "bridge04", "device-image", "latest", "latest-bridge"}, sorted(want)
+    assert set(want) >= {
+        "main",
+        "bridge05",
+        "bridge04",
+        "device-image",
+        "latest",
+        "latest-bridge",
+        "latest-previous",
+    }, sorted(want)
     assert impl.LANES == want, f"{impl.name}.LANES differs from what CI installs:\n{impl.LANES}\n{want}"
 
 
