@@ -66,6 +66,7 @@ _PUBLIC_MODULES: tuple[str, ...] = (
     "impl.recipe.flash_lora",
     "impl.recipe.memory",
     "impl.cli.qualify",
+    "impl.cli.qualify_checks",
     "impl.native.schedule",
     "impl.lora.targets",
     "impl.lora.vocabulary",

@@ -93,7 +93,8 @@ def check_qualify_usage(args: argparse.Namespace) -> None:
 
 
 def cmd_qualify(args: argparse.Namespace) -> int:
-    from impl.cli.qualify import DefaultBase, QualifyOptions, run_qualify, versions
+    from impl.cli.qualify import DefaultBase, run_qualify, versions
+    from impl.cli.qualify_checks import QualifyOptions
     from impl.cli.tested import untested_line, untested_versions
 
     targets, nproc = args.target_list, args.ranks
@@ -122,7 +123,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         root = getattr(exc, "root_cause", None)  # a rank failed: its own error, not the launcher's summary
         headline = f"rank {root.rank} {root.summary()}" if root is not None else error.splitlines()[0]
     wall = time.perf_counter() - t0
-    from impl.cli.qualify import Check
+    from impl.cli.qualify_checks import Check
 
     if error:
         checks.append(Check("run", False, headline[:300], {"error": error}, 0.0))

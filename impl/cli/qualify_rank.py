@@ -12,8 +12,8 @@ from typing import Any
 
 from impl.cli import output
 from impl.cli.logits import LOGIT_CHECKS, compare_logits
-from impl.cli.qualify import Check, QualifyOptions, all_passed, base_checks
 from impl.cli.qualify_adapter import check_reload, export, float32_logits
+from impl.cli.qualify_checks import Check, QualifyOptions, all_passed, base_checks
 
 
 def _sha(t) -> str:
