@@ -9,9 +9,9 @@
 #                                                under the newest transformers Bridge imports under
 #                                                (requirements/latest-bridge.txt; an overlay over .venv-latest where
 #                                                it differs from the venv's; xfails/latest-bridge.txt)
-#   scripts/run_latest.sh previous [pytest args] the first half again under the previous transformers release
-#                                                (requirements/latest-previous.txt, an overlay;
-#                                                xfails/latest-previous.txt)
+#   scripts/run_latest.sh previous [pytest args] the first half's files that use transformers or PEFT and the
+#                                                Bridge import again, under the previous transformers release
+#                                                (requirements/latest-previous.txt, an overlay; xfails/latest-previous.txt)
 # Environment: VENV (default .venv-latest), PINS_DIR (default .pins), DSV4_PIN_WORKERS, DSV4_PIN_HYPOTHESIS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +45,7 @@ overlay() {
 if [ "${1:-}" = previous ]; then
   shift
   pp=$(overlay requirements/latest-previous.txt)
-  PYTHONPATH="$pp" scripts/run_pin.sh independent -m "cpu and pin_independent and not consumer_env" "$@" || note
+  PYTHONPATH="$pp" scripts/run_pin.sh independent -m "cpu and pin_independent and not consumer_env and transformers" "$@" || note
   PYTHONPATH="$pp" "$VENV/bin/python" -m pytest -m cpu -n 0 -q --xfails-file xfails/latest-previous.txt \
     suites/reference/test_bridge_imports.py "$@" || note
   exit "$status"
