@@ -189,10 +189,24 @@ def require_applied(verdict: ConsumerVerdict) -> None:
         f"exporting for {verdict.consumer} {verdict.version} in the {verdict.dialect} dialect: "
         f"{len(verdict.problems())} target(s) would not be applied: "
         + "; ".join(verdict.problems())
-        + ". Nothing was exported. Drop those targets, choose another dialect or consumer, or pass "
+        + ". Nothing was exported. "
+        + _platforms_that_apply_all(verdict)
+        + "Drop those targets, choose another dialect or consumer, or pass "
         "allow_unapplied=True (--allow-unapplied) to export anyway with them recorded in the adapter's "
         "safetensors metadata (dsv4_consumer)"
     )
+
+
+def _platforms_that_apply_all(verdict: ConsumerVerdict) -> str:
+    """Where a name covers several platforms and some apply every target: the sentence naming them (a user who
+    serves only there names that platform), else nothing."""
+    engines = consumer_choice(verdict.consumer).engines
+    failing = {r.consumer for r in verdict.not_applied} | {u.split(":", 1)[0] for u in verdict.unknown}
+    clean = [e for e in engines if e not in failing]
+    if len(engines) < 2 or not clean:
+        return ""
+    named = " or ".join(f"--consumer {e}=={verdict.version}" for e in clean)
+    return f"{', '.join(clean)} {verdict.version} applies every target: serving only there, name it ({named}). "
 
 
 # ------------------------------------------------------------------------- adapters on other modules than the five

@@ -84,8 +84,9 @@ def test_verify_passes_an_adapter_vllm_applies_entirely(dsv4, base, export):
 
 def test_vllm_0_34_applies_all_five_on_nvidia_and_an_untested_release_is_refused(dsv4, export, tmp_path):
     """vLLM 0.34's NVIDIA model applies wo_a: the five-target adapter exports for vllm/nvidia==0.34.0 (for
-    vllm==0.34.0, both LoRA platforms, XPU's unapplied wo_a refuses it; for 0.33.0 both refuse); a release no lane
-    ran is one typed error line listing the tested ones."""
+    vllm==0.34.0, both LoRA platforms, XPU's unapplied wo_a refuses it, and the refusal names the platform that
+    applies all five; for 0.33.0 both refuse); a release no lane ran is one typed error line listing the tested
+    ones."""
     src = export("transformers", ALL)
     done = dsv4("export", "--adapter", src, "--out", tmp_path / "nvidia", "--consumer", "vllm/nvidia==0.34.0")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
@@ -94,11 +95,15 @@ def test_vllm_0_34_applies_all_five_on_nvidia_and_an_untested_release_is_refused
     said = refused.stdout + refused.stderr
     assert refused.returncode == 1 and "vllm/xpu 0.34.0 (official dialect): wo_a: loaded_not_applied" in said, said
     assert "vllm/nvidia 0.34.0 (official dialect): wo_a" not in said, said[-3000:]
+    # the way forward for a user who serves on NVIDIA only, named; 0.33 has no platform that applies all five
+    assert "vllm/nvidia 0.34.0 applies every target" in said and "--consumer vllm/nvidia==0.34.0" in said, said
+    old = dsv4("export", "--adapter", src, "--out", tmp_path / "old", "--consumer", OLD)
+    assert old.returncode == 1 and "applies every target" not in old.stdout + old.stderr, old.stdout[-3000:]
     untested = dsv4("export", "--adapter", src, "--out", tmp_path / "new", "--consumer", "vllm==0.35.0")
     said = untested.stdout + untested.stderr
     assert untested.returncode == 1 and "Traceback" not in said, said[-3000:]
     assert "ConsumerSupportError" in said and "['0.33.0', '0.34.0']" in said, said[-3000:]
-    assert not (tmp_path / "both").exists() and not (tmp_path / "new").exists()
+    assert not any((tmp_path / name).exists() for name in ("both", "old", "new"))
 
 
 def test_verify_lists_every_target_sglang_refuses(dsv4, base, export):
