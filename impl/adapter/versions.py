@@ -8,7 +8,7 @@ can never pair one version's ``adapter_config.json`` with the next version's wei
 ``root/current/...`` file by file across a swap can. Point a serving engine at the resolved directory.
 
 Retention keeps the newest ``keep`` versions and the current one, and deletes an older version only when it
-stopped being current more than ``grace_s`` seconds ago (``root/.history.json``), so a reader that resolved it
+stopped being current at least ``grace_s`` seconds ago (``root/.history.json``), so a reader that resolved it
 while it was current has that long to finish loading. A deleted version is renamed out of the ``v*`` names first,
 so no reader can resolve a half-deleted directory. A publisher killed at any point leaves ``current`` at a
 complete version (the previous one, or the new one once its link is renamed in); leftovers are cleared by the
