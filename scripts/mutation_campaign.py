@@ -3,7 +3,7 @@
 against the tests that can reach it; then write docs/mutation_campaign.md.
 
     .venv/bin/python scripts/mutation_campaign.py [--module lora/targets.py ...] [--write]
-    .venv/bin/python scripts/mutation_campaign.py --sample 3      # CI: a few random mutants, the machinery alive
+    .venv/bin/python scripts/mutation_campaign.py --sample 2      # CI: a few random mutants, the machinery alive
 
 Per module: copy ``impl/`` as ``impl_mutant`` (never the tree), let cosmic-ray list every mutation of the copy's
 module into a session database (out/mutation-campaign/<module>.sqlite, resumable: a rerun continues where it

@@ -58,7 +58,9 @@ def _reference(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"z": z.detach(), "dA": a.grad, "dB": b.grad}
 
 
-def _wo_a_tree(tp: int) -> nn.Module:
+def _wo_a_tree(
+    tp: int, *, groups: int = GROUPS, group_out: int = GROUP_OUT, per_group_in: int = PER_GROUP_IN
+) -> nn.Module:
     """``decoder.layers.0.self_attention.wo_a``: a real ColumnParallelLinear [G*R, H*D/G] (split by groups)."""
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -66,7 +68,7 @@ def _wo_a_tree(tp: int) -> nn.Module:
     cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True, sequence_parallel=False)
     attn = nn.Module()
     attn.wo_a = ColumnParallelLinear(
-        PER_GROUP_IN, GROUPS * GROUP_OUT, config=cfg, init_method=nn.init.zeros_, bias=False, gather_output=False
+        per_group_in, groups * group_out, config=cfg, init_method=nn.init.zeros_, bias=False, gather_output=False
     )
     layer = nn.Module()
     layer.self_attention = attn
@@ -76,9 +78,9 @@ def _wo_a_tree(tp: int) -> nn.Module:
     return root
 
 
-def _lora_wo_a(impl, t: dict[str, torch.Tensor], *, tp: int = 1, tp_rank: int = 0):
+def _lora_wo_a(impl, t: dict[str, torch.Tensor], *, tp: int = 1, tp_rank: int = 0, **options):
     root = _wo_a_tree(tp)
-    handle = impl.apply_lora([root], targets=["wo_a"], rank=RANK, alpha=ALPHA)
+    handle = impl.apply_lora([root], targets=["wo_a"], rank=RANK, alpha=ALPHA, **options)
     module = root.decoder.layers[0].self_attention.wo_a
     rows = GROUPS * GROUP_OUT // tp
     with torch.no_grad():
@@ -180,6 +182,96 @@ def test_dense_forward_of_lora_wo_a_is_refused(impl, megatron_world):
     module, _ = _lora_wo_a(impl, _tensors(6))
     with pytest.raises(impl.GroupedLoRAError, match="apply_grouped_wo_a"):
         module(torch.randn(1, 1, GROUPS, PER_GROUP_IN))
+
+
+@pytest.mark.parametrize(
+    ("a_in", "b_out"),
+    [(PER_GROUP_IN - 1, GROUPS * GROUP_OUT), (PER_GROUP_IN + 1, GROUPS * GROUP_OUT), (PER_GROUP_IN, 5 * GROUP_OUT)],
+    ids=["lora_A-narrower", "lora_A-wider", "lora_B-more-rows"],
+)
+def test_an_adapter_of_another_width_or_row_count_is_refused_naming_both(impl, megatron_world, a_in, b_out):
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    module, _ = _lora_wo_a(impl, _tensors(8))
+    cfg = module.adapter.config
+    module.adapter.linear_in = ColumnParallelLinear(a_in, RANK, config=cfg, init_method=nn.init.zeros_, bias=False)
+    module.adapter.linear_out = ColumnParallelLinear(RANK, b_out, config=cfg, init_method=nn.init.zeros_, bias=False)
+    with pytest.raises(impl.GroupedLoRAError) as err:
+        impl.apply_grouped_wo_a(module, torch.randn(1, 1, GROUPS, PER_GROUP_IN), groups=GROUPS, group_out=GROUP_OUT)
+    msg = str(err.value)
+    want = (
+        f"lora_A takes {a_in} inputs",
+        f"lora_B gives {b_out} local outputs",
+        "decoder.layers.0.self_attention.wo_a",
+    )
+    assert all(w in msg for w in want), f"wo_a adapter (lora_A in {a_in}, lora_B out {b_out}): {msg}"
+
+
+def test_more_groups_than_the_weight_holds_are_refused(impl, megatron_world):
+    """A weight with fewer rows than groups * group_out (5 groups asked of a 4-group wo_a) is a layout error too."""
+    module, _ = _lora_wo_a(impl, _tensors(9))
+    with pytest.raises(impl.GroupedLoRAError) as err:
+        impl.apply_grouped_wo_a(module, torch.randn(2, 5, PER_GROUP_IN), groups=5, group_out=GROUP_OUT)
+    msg = str(err.value)
+    assert "grouped weight has shape (24, 10)" in msg and "[5*6=30, in]" in msg, f"wo_a weight 24 rows, 5 groups: {msg}"
+
+
+def test_a_plain_wo_a_with_a_wrong_layout_is_refused_naming_wo_a(impl, megatron_world):
+    plain = _wo_a_tree(1).decoder.layers[0].self_attention.wo_a  # no adapter, no name given
+    with pytest.raises(impl.GroupedLoRAError) as err:
+        impl.apply_grouped_wo_a(plain, torch.randn(2, 3, PER_GROUP_IN), groups=3, group_out=GROUP_OUT)
+    assert str(err.value).startswith("wo_a: grouped weight has shape (24, 10)"), f"plain wo_a: {err.value}"
+
+
+def test_any_leading_shape_is_grouped_by_its_last_two_dims(impl, megatron_world):
+    """``[tokens, groups, H*D/G]`` (no batch dim) gives the reference output; a wrong one names its trailing shape."""
+    t = _tensors(10)
+    t["x"], t["cot"] = t["x"].reshape(6, GROUPS, PER_GROUP_IN), t["cot"].reshape(6, GROUPS, GROUP_OUT)
+    ref = _reference(t)
+    module, _ = _lora_wo_a(impl, t)
+    z = impl.apply_grouped_wo_a(module, t["x"], groups=GROUPS, group_out=GROUP_OUT)
+    ah.assert_close_ulps(z, ref["z"], dtype=torch.float32, ulps=ULPS, name="wo_a output of a 3-d input")
+    with pytest.raises(impl.GroupedLoRAError) as err:
+        impl.apply_grouped_wo_a(module, torch.randn(6, 2, 2 * PER_GROUP_IN), groups=GROUPS, group_out=GROUP_OUT)
+    assert "trailing shape (2, 20)" in str(err.value), f"wo_a, 3-d input [6, 2, 20]: {err.value}"
+
+
+def test_a_wo_a_of_real_size_computes_the_effective_weight(impl, megatron_world):
+    """Sizes above 256 (a real V4's G*R and H*D/G): the layout checks compare values, not small-int identity."""
+    groups, group_out, per_group_in = 2, 160, 300
+    gen = torch.Generator().manual_seed(11)
+    w, a = torch.randn(groups * group_out, per_group_in, generator=gen), torch.randn(RANK, per_group_in, generator=gen)
+    b, x = torch.randn(groups * group_out, RANK, generator=gen), torch.randn(3, groups, per_group_in, generator=gen)
+    root = _wo_a_tree(1, groups=groups, group_out=group_out, per_group_in=per_group_in)
+    impl.apply_lora([root], targets=["wo_a"], rank=RANK, alpha=ALPHA)
+    module = root.decoder.layers[0].self_attention.wo_a
+    with torch.no_grad():
+        module.to_wrap.weight.copy_(w)
+        module.adapter.linear_in.weight.copy_(a)
+        module.adapter.linear_out.weight.copy_(b)
+    w_eff = (w + SCALE * (b @ a)).view(groups, group_out, per_group_in)
+    want = torch.stack([x[..., g, :] @ w_eff[g].T for g in range(groups)], dim=-2)
+    z = impl.apply_grouped_wo_a(module, x, groups=groups, group_out=group_out)
+    ah.assert_close_ulps(z, want, dtype=torch.float32, ulps=4 * ULPS, name="wo_a output, G*R=320, H*D/G=300")
+
+
+def test_lora_dropout_acts_on_each_groups_input_in_training_only(impl, megatron_world):
+    """With ``dropout=0.5`` the grouped wo_a drops adapter inputs (Bridge's 'pre' position) as every other target
+    does: in training two calls differ and a group's delta is dropped whole or not at all; in eval it is exact."""
+    t = _tensors(12)
+    module, _ = _lora_wo_a(impl, t, dropout=0.5)
+    base = torch.einsum("...gd,grd->...gr", t["x"], t["W"].view(GROUPS, GROUP_OUT, PER_GROUP_IN))
+    torch.manual_seed(0)
+    module.train()
+    with torch.no_grad():
+        first, second = (impl.apply_grouped_wo_a(module, t["x"], groups=GROUPS, group_out=GROUP_OUT) for _ in "12")
+    assert not torch.equal(first, second), "wo_a in training with dropout=0.5: two calls gave the same output"
+    zero = first - base == 0  # [..., G, R]: an output is its base alone only where dropout hit
+    mixed = (zero.any(-1) & ~zero.all(-1)).nonzero().tolist()
+    assert not mixed, f"wo_a: dropout zeroed single outputs (post-adapter dropout) at [..., group] {mixed[:4]}"
+    module.eval()
+    z = impl.apply_grouped_wo_a(module, t["x"], groups=GROUPS, group_out=GROUP_OUT)
+    ah.assert_close_ulps(z, _reference(t)["z"], dtype=torch.float32, ulps=ULPS, name="wo_a output in eval")
 
 
 # ---------------------------------------------------------------------------------------------------- TP=2

@@ -210,3 +210,48 @@ def test_optimizer_steps_update_every_adapter_and_no_base_parameter(impl, megatr
             assert torch.equal(p, base[n]), f"base parameter {n} changed"
         else:
             assert torch.isfinite(p).all() and not torch.equal(p, adapters[n]), f"adapter {n} did not update"
+
+
+@pytest.mark.parametrize("names", [["default"], []], ids=["one-name", "no-name"])
+def test_one_named_adapter_or_none_is_accepted(impl, megatron_world, names):
+    root = _tree(impl)
+    impl.apply_lora([root], targets=["wq_b"], rank=2, alpha=4, adapter_names=names)
+    assert _wrapped(root), f"adapter_names={names}: nothing was wrapped"
+
+
+def test_every_chunk_is_left_in_training_mode_even_one_lora_selects_nothing_in(impl, megatron_world):
+    cfg = impl.V4Config.from_hf(get_preset("tiny-mixed"))
+    chunks = [impl.DeepseekV4NativeModel(cfg, layer_numbers=numbers, include_mtp=False) for numbers in ([0, 1], [2, 3])]
+    for chunk in chunks:
+        chunk.eval()
+    handle = impl.apply_lora(chunks, targets=["wq_a"], exclude=["*.layers.2.*", "*.layers.3.*"], rank=2, alpha=4)
+    assert handle.wrapped[1] == [], f"chunk 1 (layers 2-3, all excluded) wrapped {handle.wrapped[1]}"
+    for c, chunk in enumerate(chunks):
+        eval_mode = sorted(n for n, m in chunk.named_modules() if not m.training)
+        assert not eval_mode, f"chunk {c}: modules left in eval mode after apply_lora: {eval_mode[:4]}"
+    trainable = [n for n, p in chunks[1].named_parameters() if p.requires_grad]
+    assert not trainable, f"chunk 1 (nothing selected): parameters left trainable: {trainable[:4]}"
+
+
+@pytest.mark.parametrize("kind", ["target", "exclusion"])
+def test_an_entry_matching_no_module_is_reported_as_what_it_is(impl, megatron_world, kind):
+    """A target and an exclusion that both pass the vocabulary but match no module are named as a target and an
+    exclusion respectively, so the user knows which list to fix."""
+    absent = "*.layers.9.self_attention.wq_a"
+    targets, exclude = ([absent, "wq_a"], None) if kind == "target" else (["wq_a"], [absent])
+    with pytest.raises(impl.TargetError) as err:
+        impl.apply_lora([_tree(impl)], targets=targets, exclude=exclude, rank=2, alpha=4)
+    msg = str(err.value)
+    assert f"LoRA {kind}(s) {absent!r} match no module" in msg and f"Fix the {kind} list" in msg, f"{kind}: {msg}"
+
+
+def test_a_layer_wildcard_wraps_that_layers_linears_and_no_norm(impl, megatron_world):
+    """``*.layers.0.*`` means every linear of layer 0: the five main projections are wrapped, norms and other
+    layers are left alone, and nothing is refused for matching a non-linear module."""
+    root = _tree(impl)
+    impl.apply_lora([root], targets=["*.layers.0.*"], rank=2, alpha=4)
+    wrapped = _wrapped(root)
+    main = {f"decoder.layers.0.self_attention.{leaf}" for leaf in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")}
+    assert main <= wrapped, f"*.layers.0.*: main projections not wrapped: {sorted(main - wrapped)}"
+    stray = sorted(n for n in wrapped if not n.startswith("decoder.layers.0.") or n.endswith("norm"))
+    assert not stray, f"*.layers.0.*: wrapped outside layer 0's linears: {stray}"

@@ -147,3 +147,63 @@ def test_last_stage_with_mtp_wraps_its_own_global_layers(impl, exclude):
     layers = [2] if exclude else [2, 3]
     want = [f"decoder.layers.{n}.self_attention.{t}" for n in layers for t in ("wq_a", "wo_b")]
     assert sorted(handle.wrapped[0]) == sorted(want), f"wrapped {handle.wrapped[0]}, expected {want}"
+
+
+def test_the_include_policy_wraps_the_mtp_attention_as_well(impl):
+    """``mtp='include'`` wraps the targets in the MTP layer's attention too; the default leaves the MTP layer alone."""
+    from tiny_models.presets import get_preset
+
+    cfg = impl.V4Config.from_hf(get_preset(PRESET))
+    wrapped = {}
+    for policy in ("include", "exclude"):
+        model = impl.DeepseekV4NativeModel(cfg, layer_numbers=[2, 3], include_mtp=True)
+        handle = impl.apply_lora(model, targets=["wq_a", "wo_b"], rank=2, alpha=4.0, mtp=policy)
+        wrapped[policy] = sorted(n for n in handle.wrapped[0] if n.startswith("mtp."))
+    mtp_attention = "mtp.layers.0.mtp_model_layer.self_attention"
+    assert wrapped["include"] == [f"{mtp_attention}.wo_b", f"{mtp_attention}.wq_a"], wrapped["include"]
+    assert wrapped["exclude"] == [], f"mtp='exclude' wrapped MTP modules: {wrapped['exclude']}"
+
+
+@dataclass(frozen=True)
+class StageCase:
+    impl_name: str
+    #: a target held by stage 0 only (global layer 0) and an exclusion of a module stage 1 holds only (layer 3)
+    targets: tuple[str, ...] = ("decoder.layers.0.self_attention.wq_a",)
+    exclude: tuple[str, ...] = ("decoder.layers.3.*",)
+
+
+def rank_lora_on_one_stage(rank: int, world_size: int, case: StageCase) -> dict:
+    """PP=2 over tiny-mixed's four layers: stage r builds global layers 2r, 2r+1 and applies LoRA."""
+    from fixtures.runner.impl_loader import load_impl
+    from fixtures.runner.multirank import destroy_megatron_parallel, init_megatron_parallel
+    from tiny_models.presets import get_preset
+
+    impl = load_impl(case.impl_name)
+    init_megatron_parallel(pp=2)
+    try:
+        cfg = impl.V4Config.from_hf(get_preset(PRESET))
+        model = impl.DeepseekV4NativeModel(cfg, layer_numbers=[2 * rank, 2 * rank + 1])
+        handle = impl.apply_lora(model, targets=list(case.targets), exclude=list(case.exclude), rank=2, alpha=4.0)
+        return {"wrapped": sorted(handle.wrapped[0])}
+    finally:
+        destroy_megatron_parallel()
+
+
+def test_a_target_or_exclusion_on_one_pipeline_stage_only_is_accepted_on_every_stage(impl):
+    """A target (or exclusion) may name a module only one pipeline stage holds: every stage accepts it (the
+    stages agree on what matched somewhere) and wraps exactly its own share; none refuses it as matching nothing."""
+    results = run_ranks(
+        rank_lora_on_one_stage, StageCase(impl.name), nproc=2, timeout_s=120, preload=impl_preload(impl.name)
+    )
+    wrapped = {r.rank: r.payload["wrapped"] for r in results}
+    want = {0: ["decoder.layers.0.self_attention.wq_a"], 1: []}
+    assert wrapped == want, f"PP=2, target on stage 0 only: stage -> wrapped {wrapped}, expected {want}"
+
+
+def test_the_mtp_policies_are_read_only(impl):
+    """``MTP_POLICIES`` is shared by every call: a caller cannot flip what 'exclude' means for the next one."""
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        impl.MTP_POLICIES["exclude"].wraps_mtp = True
+    assert impl.MTP_POLICIES["exclude"].wraps_mtp is False, "MTP_POLICIES['exclude'].wraps_mtp changed"

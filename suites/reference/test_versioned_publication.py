@@ -17,12 +17,14 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from fixtures.data.adapter_states import make_native_adapter
 from fixtures.ranks.faults import kill_on_call
+from fixtures.runner.multirank import impl_preload, run_ranks
 
 pytestmark = pytest.mark.cpu
 
@@ -145,3 +147,116 @@ def test_a_publisher_killed_at_any_step_leaves_a_complete_current_version(impl, 
     assert config["lora_alpha"] == 4, f"{point}: the next publication is not current ({config['lora_alpha']})"
     leftovers = [p.name for p in root.iterdir() if p.name.startswith((".trash", ".current.tmp", ".v"))]
     assert leftovers == [], f"{point}: the next publication left {leftovers}"
+
+
+def _current_alpha(impl, root) -> int:
+    """The version the current pointer resolves to, as its own files say (lora_alpha = version)."""
+    return int(json.loads((impl.resolve_current(root) / "adapter_config.json").read_text())["lora_alpha"])
+
+
+def _versions_on_disk(root) -> list[int]:
+    """The published versions as a reader sees them: the ``vNNNNNNNN`` directories under ``root``."""
+    return sorted(int(p.name[1:]) for p in Path(root).iterdir() if p.is_dir() and p.name[1:].isdigit())
+
+
+def test_a_link_left_by_a_killed_publisher_never_blocks_the_next_publication(impl, tmp_path):
+    """A publisher killed after making its new link but before renaming it in leaves ``.current.tmp``; the next
+    publication replaces it, even where the version it pointed at is gone since (a dangling link)."""
+    root = tmp_path / "published"
+    impl.publish_version(_version_state(impl, 1), root)
+    for target in ("v00000001", "v00000099"):  # a version that exists, one that does not
+        os.symlink(target, root / ".current.tmp")
+        number = len(_versions_on_disk(root)) + 1
+        impl.publish_version(_version_state(impl, number), root)
+        assert _current_alpha(impl, root) == number, f"after a leftover link to {target}: not the new version"
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_retention_without_a_grace_keeps_exactly_the_newest_k(impl, tmp_path, keep):
+    """With no grace, nothing but the newest ``keep`` versions (the current one among them) stays published, and a
+    root whose folders do not exist yet is made."""
+    root = tmp_path / "runs" / "job" / "published"
+    for version in range(1, 5):
+        impl.publish_version(_version_state(impl, version), root, keep=keep, grace_s=0.0, clock=lambda v=version: v)
+    kept = _versions_on_disk(root)
+    assert kept == list(range(5 - keep, 5)), f"keep={keep}, no grace: versions {kept} stay"
+    assert _current_alpha(impl, root) == 4, "the newest version is not current"
+
+
+def test_keeping_no_version_is_refused_before_anything_is_published(impl, tmp_path):
+    """``keep=0`` would retain nothing, not even the current version: refused, and nothing is written."""
+    root = tmp_path / "published"
+    with pytest.raises(impl.PublishedVersionError, match="keep=0"):
+        impl.publish_version(_version_state(impl, 1), root, keep=0)
+    assert not root.exists(), f"a refused publication wrote {sorted(p.name for p in root.iterdir())}"
+
+
+@dataclass(frozen=True)
+class TwoRankCase:
+    impl_name: str
+    root: str
+    writer: int
+
+
+#: audit events that change the file system, and which of their arguments are paths
+_CHANGES = {
+    "os.mkdir": 1,
+    "os.rename": 2,
+    "os.replace": 2,
+    "os.symlink": 2,
+    "os.remove": 1,
+    "os.rmdir": 1,
+    "shutil.rmtree": 1,
+    "os.chmod": 1,
+    "os.truncate": 1,
+}
+
+
+def rank_publish_three_versions(rank: int, world_size: int, case: TwoRankCase) -> dict:
+    """Publish three versions collectively with ``writer_rank=case.writer``; record every change this rank makes
+    under the root (audit hooks: opening for writing, making, renaming, linking, removing)."""
+    from fixtures.runner.impl_loader import load_impl
+
+    impl = load_impl(case.impl_name)
+    root, touched = os.path.abspath(case.root), []
+
+    def under_root(value) -> bool:
+        return isinstance(value, str | bytes | os.PathLike) and os.path.abspath(os.fsdecode(value)).startswith(root)
+
+    def audit(event: str, args: tuple) -> None:
+        if event == "open" and len(args) > 1 and isinstance(args[1], str) and set(args[1]) & set("wax+"):
+            paths = args[:1]
+        elif event == "open" and len(args) > 2 and isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR):
+            paths = args[:1]
+        else:
+            paths = args[: _CHANGES.get(event, 0)]
+        touched.extend(f"{event} {os.fsdecode(a)}" for a in paths if under_root(a))
+
+    sys.addaudithook(audit)
+    outs = [
+        impl.publish_version(_version_state(impl, v), root, keep=1, grace_s=0.0, writer_rank=case.writer).name
+        for v in (1, 2, 3)
+    ]
+    return {"outs": outs, "touched": touched}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("writer", [0, 1])
+def test_on_two_ranks_only_the_writer_touches_the_published_root(impl, tmp_path, writer):
+    """A collective publication on two ranks: both return the same versions, and only ``writer_rank`` creates,
+    renames, links or deletes anything under the root (the other rank only takes part in the export's collectives)."""
+    root = tmp_path / "published"
+    results = run_ranks(
+        rank_publish_three_versions,
+        TwoRankCase(impl.name, str(root), writer),
+        nproc=2,
+        timeout_s=120,
+        preload=impl_preload(impl.name),
+    )
+    ours, peer = results[writer].payload, results[1 - writer].payload
+    assert ours["outs"] == peer["outs"] == ["v00000001", "v00000002", "v00000003"], (ours["outs"], peer["outs"])
+    assert ours["touched"], "the writer's audit saw nothing: the test proves nothing"
+    assert peer["touched"] == [], (
+        f"rank {1 - writer}, not the writer, changed the published root: {peer['touched'][:6]}"
+    )
+    assert _versions_on_disk(root) == [3] and _current_alpha(impl, root) == 3, _versions_on_disk(root)
