@@ -71,7 +71,10 @@ def test_vllm_0_34_applies_wo_a_on_nvidia_so_only_xpu_refuses_it(impl, earlier, 
     all five targets for vllm==0.34.0 (both LoRA platforms) names only XPU's wo_a; for vllm/nvidia it exports."""
     message = _refused(impl, earlier, _state(impl), dialect="official", consumer=f"vllm=={VLLM_NEWEST}")
     assert f"vllm/xpu {VLLM_NEWEST} (official dialect): wo_a: loaded_not_applied" in message, message
-    assert "vllm/nvidia" not in message, f"vLLM {VLLM_NEWEST} applies wo_a on NVIDIA, yet named: {message}"
+    assert f"vllm/nvidia {VLLM_NEWEST} (official dialect)" not in message, (
+        f"vLLM {VLLM_NEWEST} applies wo_a on NVIDIA, yet named as a problem: {message}"
+    )
+    assert f"vllm/nvidia {VLLM_NEWEST} applies every target" in message, f"the way forward is not named: {message}"
     out = tmp_path / "for-nvidia"
     impl.export_adapter(_state(impl), out, dialect="official", consumer=f"vllm/nvidia=={VLLM_NEWEST}")
     with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
