@@ -107,25 +107,31 @@ def _cell(found: list[Cell], consumer: str, dialect: str, target: str) -> Cell:
     return matches[0]
 
 
+def _disagreements(impl, found: list[Cell], what: str = "") -> list[str]:
+    """One line per cell whose engine answer differs from the implementation's rule (or that has no rule)."""
+    wrong = []
+    for cell in found:
+        rule = impl.consumer_rule(cell.consumer, cell.version, cell.dialect, cell.target)
+        where = f"{cell.consumer} {cell.version} {what}{cell.dialect} {cell.target}"
+        if rule is None:
+            wrong.append(
+                f"{where}: impl has no belief; the engine says {cell.status} ({cell.reason[:300]}) "
+                f"[{'; '.join(cell.evidence)}]"
+            )
+        elif (str(rule.status), rule.routed_to) != (cell.status, cell.routed_to):
+            wrong.append(
+                f"{where}: impl believes {rule.status} (routed to {rule.routed_to}), the engine says {cell.status} "
+                f"(routed to {cell.routed_to}): {cell.reason[:400]} [{'; '.join(cell.evidence)}]"
+            )
+    return wrong
+
+
 @pytest.mark.parametrize("name", sorted(LANES))
 def test_every_target_in_every_dialect_is_what_the_implementation_believes(impl, probed, name, record_property):
     report, found, notes = _answers(probed, name)
     record_property(f"{name}_matrix", [c.__dict__ for c in found])
     assert found, f"{name} {report['version']}: the probe judged no platform variant ({notes})"
-    wrong = []
-    for cell in found:
-        rule = impl.consumer_rule(cell.consumer, cell.version, cell.dialect, cell.target)
-        if rule is None:
-            wrong.append(
-                f"{cell.consumer} {cell.version} {cell.dialect} {cell.target}: impl has no belief; "
-                f"the engine says {cell.status} ({cell.reason[:300]}) [{'; '.join(cell.evidence)}]"
-            )
-        elif (str(rule.status), rule.routed_to) != (cell.status, cell.routed_to):
-            wrong.append(
-                f"{cell.consumer} {cell.version} {cell.dialect} {cell.target}: impl believes "
-                f"{rule.status} (routed to {rule.routed_to}), the engine says {cell.status} (routed to "
-                f"{cell.routed_to}): {cell.reason[:400]} [{'; '.join(cell.evidence)}]"
-            )
+    wrong = _disagreements(impl, found)
     assert not wrong, f"{len(wrong)} cell(s) where impl.CONSUMER_RULES disagrees with {name}:\n" + "\n".join(wrong)
 
 
@@ -136,15 +142,7 @@ def test_each_engine_judges_the_golden_adapters_by_the_same_rules(impl, probed, 
     report, _, _ = _answers(probed, name)
     found, _ = cells(report, GOLDEN_CASES)
     assert found, f"{name} {report['version']}: the probe judged none of golden/v1's adapters"
-    wrong = []
-    for cell in found:
-        rule = impl.consumer_rule(cell.consumer, cell.version, cell.dialect, cell.target)
-        believed = None if rule is None else (str(rule.status), rule.routed_to)
-        if believed != (cell.status, cell.routed_to):
-            wrong.append(
-                f"{cell.consumer} {cell.version} golden/v1 {cell.dialect}/{cell.target}: the rules say "
-                f"{believed}, the engine says {(cell.status, cell.routed_to)}: {cell.reason[:300]}"
-            )
+    wrong = _disagreements(impl, found, "golden/v1 ")
     assert not wrong, f"{len(wrong)} golden adapter(s) judged otherwise than the rules say:\n" + "\n".join(wrong)
 
 
@@ -284,7 +282,7 @@ def test_the_probes_import_nothing_from_this_project():
     """The probes judge our adapters with the engines' code only: no impl, fixtures or tiny_models inside."""
     ours = {"impl", "fixtures", "tiny_models", "suites"}
     for path in sorted(HERE.glob("*.py")):
-        if path.name in ("__init__.py", "numerics.py"):  # the runners, in the main environment
+        if path.name in ("__init__.py", "numerics.py", "golden_numerics.py"):  # main-environment runners
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
