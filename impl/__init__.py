@@ -69,7 +69,7 @@ _PUBLIC_MODULES: tuple[str, ...] = (
     "impl.cli.qualify_checks",
     "impl.native.schedule",
     "impl.lora.targets",
-    "impl.lora.vocabulary",
+    "impl.vocabulary",
     "impl.adapter.versions",
     "impl.adapter.publication",
     "impl.cli.main",

@@ -1,6 +1,6 @@
 """Naming dialects of a portable DeepSeek-V4 LoRA adapter: ONE target table drives all three.
 
-The attention targets of V4 (:data:`impl.lora.vocabulary.TARGET_TABLE`: native path under ``self_attention``)
+The attention targets of V4 (:data:`impl.vocabulary.TARGET_TABLE`: native path under ``self_attention``)
 and their names in
 
 * ``transformers`` (default): ``base_model.model.model.layers.N.self_attn.<hf leaf>.lora_{A,B}.weight``,
@@ -37,7 +37,7 @@ from functools import cache
 
 from impl.adapter.upstream_names import miles_adapter_name
 from impl.errors import ExportError
-from impl.lora.vocabulary import ATTENTION_SCOPE, TARGET_TABLE, TargetRow, TargetTable
+from impl.vocabulary import ATTENTION_SCOPE, TARGET_TABLE, TargetRow, TargetTable
 
 __all__ = [
     "DIALECTS",

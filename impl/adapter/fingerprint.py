@@ -36,7 +36,7 @@ from impl.conversion.headers import (
     tensor_sample_sha256,
 )
 from impl.errors import FingerprintMismatchError
-from impl.lora.vocabulary import TARGET_TABLE
+from impl.vocabulary import TARGET_TABLE
 
 if TYPE_CHECKING:
     import torch

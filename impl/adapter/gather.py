@@ -34,7 +34,7 @@ from torch import nn
 
 from impl.adapter.build import AdapterState
 from impl.adapter.dialects import match_native, native_adapter_name
-from impl.lora.vocabulary import TARGET_TABLE, TargetTable
+from impl.vocabulary import TARGET_TABLE, TargetTable
 
 __all__ = [
     "gather_adapter_state",

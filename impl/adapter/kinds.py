@@ -8,7 +8,7 @@ in the ``official`` (checkpoint) or ``transformers`` / ``sglang`` (``model.layer
 returns its kind and the official module it stands for; :func:`dialect_module` writes an official module in a
 dialect (None where that dialect's model has no such module).
 
-Attention rows come from :data:`impl.lora.vocabulary.TARGET_TABLE` (via :func:`impl.adapter.dialects.resolve_module`);
+Attention rows come from :data:`impl.vocabulary.TARGET_TABLE` (via :func:`impl.adapter.dialects.resolve_module`);
 the rest follow transformers' own ``deepseek_v4`` checkpoint renaming (``transformers/conversion_mapping.py``).
 """
 

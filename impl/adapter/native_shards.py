@@ -25,7 +25,7 @@ import torch
 from impl.adapter.build import AdapterState
 from impl.adapter.dialects import native_adapter_name, native_name, parse_native
 from impl.errors import NativeShardError, PickleAdapterError
-from impl.lora.vocabulary import ParallelStyle
+from impl.vocabulary import ParallelStyle
 
 __all__ = ["NativeShardError", "is_native_shard_dir", "read_native_shards"]
 

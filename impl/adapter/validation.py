@@ -42,7 +42,7 @@ from impl.adapter.kinds import ModuleKind, place_module
 from impl.adapter.raw import RawTensor, all_finite, read_safetensors
 from impl.conversion.headers import SAMPLE_PAGES
 from impl.errors import AdapterValidationError
-from impl.lora.vocabulary import TARGET_TABLE
+from impl.vocabulary import TARGET_TABLE
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from impl.cli.logits import LOGIT_CHECKS, compare_logits
-from impl.lora.vocabulary import TARGET_TABLE, TargetRow
+from impl.vocabulary import TARGET_TABLE, TargetRow
 
 __all__ = ["check_reload", "export", "exported_rows", "float32_logits"]
 

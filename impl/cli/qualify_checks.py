@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from impl.lora.vocabulary import TARGET_TABLE
+from impl.vocabulary import TARGET_TABLE
 
 __all__ = [
     "QualifyOptions",

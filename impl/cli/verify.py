@@ -5,7 +5,7 @@ Pro base); the adapter's own tensors are small and are read in full. Each proble
 The checks are :data:`impl.adapter.validation.ADAPTER_CHECKS` (the exporter's own, see the table there), here
 against the base's names and shapes, plus the opt-in ``forward`` check: PEFT's merged model must equal the base
 with ``W + s*B@A`` applied by hand, by the conformance judge's oracle. The judge's own verdict on the directory
-(:mod:`dsv4_conformance.judge`) is the ``conformance`` row. Names are translated through the target table (:mod:`impl.lora.vocabulary`)
+(:mod:`dsv4_conformance.judge`) is the ``conformance`` row. Names are translated through the target table (:mod:`impl.vocabulary`)
 and the naming dialects (:mod:`impl.adapter.dialects`); every other module of a V4 base resolves to its kind
 (:mod:`impl.adapter.kinds`), so an adapter from any producer is judged by what it wraps. Provenance (``.complete``,
 the base fingerprint) is its own line: an adapter without them is *uncertified*, which fails only with

@@ -2,7 +2,7 @@
 
 The native attention owns a main ``wq_b`` and ``wkv`` *and* nested modules whose leaves collide with them
 (``indexer.linear_wq_b``; ``compressor.wkv`` and ``indexer.compressor.wkv``: a row's ``also_nested_as`` in
-:mod:`impl.lora.vocabulary`). Megatron-Bridge's ``ModuleMatcher`` accepts a module when its leaf
+:mod:`impl.vocabulary`). Megatron-Bridge's ``ModuleMatcher`` accepts a module when its leaf
 ``name == pattern`` or when the anchored wildcard ``pattern`` matches its full dotted name, so a bare ``wkv``
 would also wrap both compressors. Every accepted name of the target table is therefore rewritten to
 ``*.self_attention.<native path>``, which reaches exactly one module per attention block; the nested modules
@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from impl.errors import TargetError
-from impl.lora.vocabulary import ATTENTION_SCOPE, TARGET_TABLE, TargetTable
+from impl.vocabulary import ATTENTION_SCOPE, TARGET_TABLE, TargetTable
 
 __all__ = [
     "MAIN_ATTENTION_TARGETS",
@@ -25,7 +25,7 @@ __all__ = [
     "qualify_targets",
 ]
 
-#: accepted name -> native path under ``self_attention`` (views of :data:`impl.lora.vocabulary.TARGET_TABLE`).
+#: accepted name -> native path under ``self_attention`` (views of :data:`impl.vocabulary.TARGET_TABLE`).
 TARGET_VOCABULARY: dict[str, str] = TARGET_TABLE.vocabulary
 #: the main-attention projections (official names); bare names always mean these.
 MAIN_ATTENTION_TARGETS: tuple[str, ...] = TARGET_TABLE.main_names

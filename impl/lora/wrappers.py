@@ -38,8 +38,8 @@ from torch import nn
 from impl.compat.megatron_bridge import adapter_enabled
 from impl.errors import GroupedLoRAError, MultiLoRAUnsupportedError, TargetError
 from impl.lora.targets import bridge_pattern_matches, qualify_exclusions, qualify_targets
-from impl.lora.vocabulary import TARGET_TABLE
 from impl.native.norm import ReplicatedLinear
+from impl.vocabulary import TARGET_TABLE
 
 __all__ = [
     "DeepseekV4LoRA",
@@ -163,6 +163,10 @@ class GroupedLoRALinear(LoRALinear):
             f"{self.adapter.base_linear_name}: grouped wo_a cannot run as a dense linear (that would give each "
             "group all G*R outputs); call impl.lora.wrappers.apply_grouped_wo_a(module, x_grouped, groups=, group_out=)"
         )
+
+    def grouped_forward(self, x_grouped: torch.Tensor, *, groups: int, group_out: int) -> torch.Tensor:
+        """The hook the native attention calls on a wrapped ``wo_a``: the grouped product with this delta."""
+        return apply_grouped_wo_a(self, x_grouped, groups=groups, group_out=group_out)
 
 
 class ReplicatedLoRALinear(LoRALinear):

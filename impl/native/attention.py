@@ -52,8 +52,8 @@ def grouped_wo_a(module: nn.Module, x_grouped: torch.Tensor, *, groups: int, gro
     """Grouped ``wo_a``: ``x_grouped [B, S, G, H*D/G]`` with ``module.weight [G*R, H*D/G]`` -> ``[B, S, G, R]``.
 
     Group ``g`` only sees its own head block: ``z_g = x_g @ W_g^T`` with ``W = weight.view(G, R, H*D/G)``.
-    ``G`` is the rank-local group count under TP. A LoRA-wrapped ``wo_a`` is delegated to
-    :func:`impl.lora.wrappers.apply_grouped_wo_a`, which adds the adapter delta block-diagonally.
+    ``G`` is the rank-local group count under TP. A wrapper that replaces ``wo_a`` (an adapter) runs the grouped
+    product itself through its ``grouped_forward``: the base graph knows no adapter, only that hook.
     """
     weight = getattr(module, "to_wrap", module).weight
     in_per_group = x_grouped.shape[-1]
@@ -67,12 +67,14 @@ def grouped_wo_a(module: nn.Module, x_grouped: torch.Tensor, *, groups: int, gro
             f"wo_a.weight has shape {tuple(weight.shape)}, expected (groups*o_lora_rank, H*D/G) = "
             f"({groups * group_out}, {in_per_group}) for {groups} local groups; check the TP split of wo_a"
         )
-    if hasattr(module, "adapter"):
-        from impl.lora.wrappers import (
-            apply_grouped_wo_a,  # lazy: impl.lora.wrappers imports Megatron-Bridge's PEFT stack
+    grouped_forward = getattr(module, "grouped_forward", None)
+    if grouped_forward is not None:
+        return grouped_forward(x_grouped, groups=groups, group_out=group_out)
+    if hasattr(module, "to_wrap"):  # a wrapper without the hook would have its own output dropped silently
+        raise GroupedLoRAError(
+            f"wo_a is wrapped by {type(module).__name__}, which has no grouped_forward(x_grouped, groups=, "
+            "group_out=); the grouped wo_a runs only under a wrapper that computes the grouped product"
         )
-
-        return apply_grouped_wo_a(module, x_grouped, groups=groups, group_out=group_out)
     return torch.einsum("bsgd,grd->bsgr", x_grouped, weight.view(groups, group_out, in_per_group))
 
 

@@ -25,7 +25,7 @@ from impl.conversion.hardware import FusedKernelDefaults, fused_kernel_defaults
 from impl.conversion.pipeline import Layout, generate_pipeline_layout, validate_pipeline_layout
 from impl.data_tables import checked_keys, read_table_file
 from impl.errors import UnsupportedConfigError
-from impl.lora.vocabulary import TARGET_TABLE
+from impl.vocabulary import TARGET_TABLE
 
 __all__ = [
     "CHECKPOINT_ENV",

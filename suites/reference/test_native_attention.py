@@ -316,6 +316,29 @@ def test_grouped_wo_a_rejects_a_weight_of_the_wrong_group_layout(impl):
         impl.grouped_wo_a(module, torch.randn(1, 2, 2, 5), groups=2, group_out=4)
 
 
+class _Wrapper(torch.nn.Module):
+    """A module wrapping ``wo_a`` the way an adapter does (``to_wrap``), with or without the grouped hook."""
+
+    def __init__(self, base: torch.nn.Module, hook: bool) -> None:
+        super().__init__()
+        self.to_wrap = base
+        if hook:
+            self.grouped_forward = lambda x, *, groups, group_out: torch.full((*x.shape[:-1], group_out), 7.0)
+
+
+def test_a_wrapped_wo_a_runs_through_its_wrappers_grouped_forward(impl):
+    """The base graph knows no adapter: a wrapper of ``wo_a`` computes the grouped product through its hook."""
+    wrapped = _Wrapper(impl.ReplicatedLinear(5, 3 * 4), hook=True)
+    got = impl.grouped_wo_a(wrapped, torch.randn(1, 2, 3, 5), groups=3, group_out=4)
+    assert torch.equal(got, torch.full((1, 2, 3, 4), 7.0)), "the wrapper's grouped_forward was not what ran"
+
+
+def test_a_wrapper_of_wo_a_without_the_grouped_hook_is_refused_not_dropped(impl):
+    wrapped = _Wrapper(impl.ReplicatedLinear(5, 3 * 4), hook=False)
+    with pytest.raises(impl.GroupedLoRAError, match=r"_Wrapper.*grouped_forward"):
+        impl.grouped_wo_a(wrapped, torch.randn(1, 2, 3, 5), groups=3, group_out=4)
+
+
 def test_heads_not_divisible_by_o_groups_are_rejected(impl, megatron_world):
     hf = _hf_config(num_attention_heads=6, o_groups=4)
     with pytest.raises(impl.UnsupportedConfigError, match=r"num_heads=6.*o_groups=4"):
