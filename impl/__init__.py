@@ -1,13 +1,9 @@
 """Reference implementation: LoRA on DeepSeek-V4 with Megatron-Core and Megatron-Bridge.
 
-The public API (what the suites reach through the ``impl`` fixture) is ``__all__``: the ``__all__`` of each
-module of :data:`_PUBLIC_MODULES`, read from its source without importing it (so a module's ``__all__`` is the
-one place its public names are written; ``suites/meta/test_public_api.py`` checks the reading against the imported
-modules). Names load lazily:
-``import impl`` is cheap, and every module that imports megatron imports ``impl.compat.active`` first, which
-installs the CPU compatibility layer (``suites/meta/test_compat_first.py`` checks it). So ``dsv4-lora
-verify-adapter`` and exporter ranks never pay for megatron, and nothing can import megatron ahead of the layer.
-"""
+The public API, what the suites reach through the ``impl`` fixture, is ``__all__``: the ``__all__`` of each module of
+:data:`_PUBLIC_MODULES`, read from its source without importing it (:func:`_module_all`). Names load lazily, so
+``import impl`` is cheap; every module that imports megatron imports ``impl.compat.active`` first, so nothing can
+import megatron ahead of the CPU compatibility layer."""
 
 from __future__ import annotations
 
@@ -81,7 +77,13 @@ _ALL_ASSIGNMENT = re.compile(r"^__all__ = (\[[^\]]*\])", re.M)
 
 
 def _module_all(module: str) -> tuple[str, ...]:
-    """A module's ``__all__``, read from its source (a literal list at the module's top level)."""
+    """A module's ``__all__``, read from its source (a literal list at the module's top level).
+
+    Reading without importing makes a module's ``__all__`` the one place its public names are written, and keeps
+    ``import impl`` cheap: ``dsv4-lora verify-adapter`` and exporter ranks never pay for megatron.
+    ``suites/meta/test_contract.py`` checks the reading against the imported modules, and
+    ``suites/meta/test_compat_first.py`` checks that ``impl.compat.active`` is imported before megatron.
+    """
     root = Path(__file__).resolve().parent.joinpath(*module.split(".")[1:])
     path = root / "__init__.py" if root.is_dir() else root.with_suffix(".py")
     found = _ALL_ASSIGNMENT.search(path.read_text())

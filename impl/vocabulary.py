@@ -1,17 +1,9 @@
 """THE LoRA target vocabulary of DeepSeek-V4: one row per LoRA-able attention module, everything that varies by target.
 
-Every consumer derives from :data:`TARGET_TABLE`: the qualifier (:mod:`impl.lora.targets`), the naming dialects
-and their native-name parser (:mod:`impl.adapter.dialects`), the gather, ``verify-adapter``'s name translation,
-the recipe, ``qualify`` and the command line's default ``--targets``. Each of them takes an optional ``table=``
-(default :data:`TARGET_TABLE`), so a new target is one new row.
-
-Why bare names are qualified: V4's attention owns a main ``wq_b`` and ``wkv`` *and* nested modules with the
-same leaf (the indexer's ``wq_b``; the compressors' ``wkv``). A row records that collision in
-``also_nested_as``; the qualifier therefore rewrites every vocabulary name to its full path under
-``self_attention``.
-
-No megatron import: exporter ranks and ``verify-adapter`` read this table.
-"""
+Every consumer derives from :data:`TARGET_TABLE` and takes an optional ``table=``, so a new target is one new row:
+the qualifier (:mod:`impl.lora.targets`), the naming dialects (:mod:`impl.adapter.dialects`), the gather,
+``verify-adapter``, the recipe, ``qualify`` and the default ``--targets``. Bare names are qualified because V4 nests
+modules with the same leaf (``also_nested_as``). No megatron import: exporter ranks and ``verify-adapter`` read it."""
 
 from __future__ import annotations
 
@@ -46,6 +38,14 @@ class ParallelStyle(Enum):
 
 @dataclass(frozen=True)
 class TargetRow:
+    """One LoRA-able attention module under each of its names.
+
+    Why bare names are qualified: V4's attention owns a main ``wq_b`` and ``wkv`` *and* nested modules with the
+    same leaf (the indexer's ``wq_b``; the compressors' ``wkv``). A row records that collision in
+    ``also_nested_as``; the qualifier therefore rewrites every vocabulary name to its full path under
+    ``self_attention``.
+    """
+
     native: str  # path under ``self_attention`` in the native Megatron graph
     official: str  # path under ``attn`` in the official checkpoint
     transformers: str  # path under ``self_attn`` in transformers' DeepseekV4ForCausalLM

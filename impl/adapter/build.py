@@ -3,8 +3,7 @@
 Input: ``decoder.layers.N.self_attention.<leaf>.adapter.linear_in.weight`` = lora_A ``[r, in]`` and
 ``...linear_out.weight`` = lora_B ``[out, r]``, already gathered. :func:`build_adapter` checks the state (fail
 closed, naming the tensor) and renames it into a dialect; :func:`publish_in_memory` (trainer -> rollout weight
-sync) returns its result and the file export writes it, so the file is the in-memory result serialized.
-"""
+sync) returns its result and the file export writes it, so the file is the in-memory result serialized."""
 
 from __future__ import annotations
 

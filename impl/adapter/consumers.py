@@ -3,8 +3,7 @@ for it passes (:func:`consumer_verdict`, :func:`require_applied`, used by the ex
 --consumer``). The engines' rules themselves are the conformance judge's table
 (:mod:`dsv4_conformance.judge.consumers`, checked against each engine release's own code), re-exported here: the
 exporter fails closed by the table the suites and ``verify-adapter`` judge with. No megatron imports: exporter
-ranks read it.
-"""
+ranks read it."""
 
 from __future__ import annotations
 

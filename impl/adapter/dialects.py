@@ -1,32 +1,9 @@
-"""Naming dialects of a portable DeepSeek-V4 LoRA adapter: ONE target table drives all three.
+"""Naming dialects of a portable DeepSeek-V4 LoRA adapter: one target table drives all three.
 
-The attention targets of V4 (:data:`impl.vocabulary.TARGET_TABLE`: native path under ``self_attention``)
-and their names in
-
-* ``transformers`` (default): ``base_model.model.model.layers.N.self_attn.<hf leaf>.lora_{A,B}.weight``,
-  loadable with ``peft.PeftModel.from_pretrained`` on transformers' ``DeepseekV4ForCausalLM``;
-* ``official``: ``base_model.model.layers.N.attn.<official leaf>.lora_{A,B}.weight`` (checkpoint names, what
-  vLLM's V4 LoRA expects; MTP is ``mtp.0.attn.<leaf>``);
-* ``sglang``: ``base_model.model.model.layers.N.self_attn.<official leaf>.lora_{A,B}.weight`` (the Miles
-  rollout path).
-
-No ``vllm`` dialect: vLLM 0.33 reads the ``official`` names. Its loader passes every LoRA tensor name through
-the model's ``hf_to_vllm_mapper`` (``vllm/lora/utils.py:parse_fine_tuned_lora_name`` with the rename-only
-``WeightsMapper.get_rename_mapper()``), whose prefix rule ``layers.`` -> ``model.layers.`` turns
-``layers.N.attn.<leaf>`` into vLLM's own module path ``model.layers.N.attn.<leaf>`` (its leaves are the official
-ones; ``packed_modules_mapping`` packs ``wq_a``+``wkv`` from those same names). A name written the vLLM way would
-load identically, so a fourth dialect would add nothing; what vLLM does not apply (``wo_a``, MTP) no naming
-changes (see :mod:`impl.adapter.consumers`). ``suites/reference/test_consumers.py`` checks the official names land on
-vLLM's modules.
-
-Names translate both ways: :meth:`Dialect.module_name` writes a module path, :meth:`Dialect.parse_module` and
-:func:`resolve_module` read one back; :func:`parse_native` reads the native LoRA parameter names the exporter
-takes. Only main-attention rows are exportable.
-
-MTP: transformers has no MTP module and SGLang serves MTP as a separate draft model whose LoRA path is
-unverified, so those dialects declare MTP unsupported (``mtp_reason``); the exporter then rejects MTP
-adapters unless the caller asks to exclude them (the exclusion is recorded in the adapter's metadata).
-"""
+Each :class:`Dialect` names the attention targets of :data:`impl.vocabulary.TARGET_TABLE` the way one consumer loads
+them; names translate both ways (:meth:`Dialect.module_name`, :func:`resolve_module`, :func:`parse_native`).
+Only main-attention rows are exportable. A dialect without MTP makes the exporter reject MTP adapters unless the
+caller excludes them, and the exclusion is recorded in the adapter's metadata."""
 
 from __future__ import annotations
 
@@ -53,6 +30,28 @@ PEFT_PREFIX = "base_model.model."
 
 @dataclass(frozen=True)
 class Dialect:
+    """How one consumer names the V4 attention targets; :data:`DIALECTS` holds the three.
+
+    * ``transformers`` (default): ``base_model.model.model.layers.N.self_attn.<hf leaf>.lora_{A,B}.weight``,
+      loadable with ``peft.PeftModel.from_pretrained`` on transformers' ``DeepseekV4ForCausalLM``;
+    * ``official``: ``base_model.model.layers.N.attn.<official leaf>.lora_{A,B}.weight``: checkpoint names, what
+      vLLM's V4 LoRA expects; MTP is ``mtp.0.attn.<leaf>``;
+    * ``sglang``: ``base_model.model.model.layers.N.self_attn.<official leaf>.lora_{A,B}.weight``, the Miles
+      rollout path.
+
+    There is no ``vllm`` dialect: vLLM reads the ``official`` names. Its loader passes every LoRA tensor name through
+    the model's ``hf_to_vllm_mapper`` (``vllm/lora/utils.py:parse_fine_tuned_lora_name`` with the rename-only
+    ``WeightsMapper.get_rename_mapper()``), whose prefix rule ``layers.`` -> ``model.layers.`` turns
+    ``layers.N.attn.<leaf>`` into vLLM's own module path ``model.layers.N.attn.<leaf>``. Its leaves are the official
+    ones, and ``packed_modules_mapping`` packs ``wq_a`` + ``wkv`` from those same names. A name written the vLLM way
+    would load identically, so a fourth dialect would add nothing; what vLLM does not apply (``wo_a``, MTP) no naming
+    changes (see :mod:`impl.adapter.consumers`). ``suites/reference/test_consumers.py`` checks the official names land
+    on vLLM's modules.
+
+    MTP: transformers has no MTP module, and SGLang serves MTP as a separate draft model whose LoRA path is
+    unverified, so those dialects declare MTP unsupported (``mtp_reason``).
+    """
+
     name: str
     layer_module: str  # format string with {layer} and {leaf}: module path relative to the base model
     leaf_column: str  # which TargetRow column names the leaf

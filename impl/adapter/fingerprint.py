@@ -1,19 +1,9 @@
-"""Fingerprint of the frozen base an adapter was trained against.
+"""Fingerprint of the frozen base an adapter was trained against, so an adapter is refused on another base.
 
-A fingerprint records a hash of the base config and, for each targeted base tensor (official checkpoint name,
-plus its ``.scale`` companion when quantized), its shape, dtype and the sha256 of its raw bytes, and for a tensor
-larger than :data:`~impl.conversion.headers.SAMPLED_ABOVE` also the sha256 of a sample of its pages
-(:func:`~impl.conversion.headers.sample_sha256`). It is stored in
-the adapter's ``adapter_model.safetensors`` header under ``dsv4_base_fingerprint`` (not in
-``adapter_config.json``: PEFT's ``from_peft_type`` drops unknown keys with an "upgrade PEFT" warning, and rollout
-engines parse that file too), so it travels inseparably with the tensors.
-
-Reading a checkpoint directory opens only the shards that hold targeted tensors (their headers) and streams only
-those tensors' bytes through the hash: memory stays flat on a full-size base. A verification may instead compare
-the samples of the tensors whose full digests are not remembered (``sampled``): a base's first check then reads
-256 KiB per tensor, not gigabytes (Flash: 4.4 GB of targeted weights), at the price of missing a change confined
-to unsampled bytes; the check says which way each tensor was compared.
-"""
+It records the base config's hash and each targeted base tensor's shape, dtype and digests, and lives in the
+``adapter_model.safetensors`` header, never in ``adapter_config.json``, so it travels with the tensors. Reading a base
+opens only the shards that hold targeted tensors and streams their bytes, so memory stays flat. A sampled check can
+miss a change confined to unsampled bytes and says which way each tensor was compared. Format: docs/fingerprint.md."""
 
 from __future__ import annotations
 

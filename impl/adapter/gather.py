@@ -1,21 +1,8 @@
 """Gather a DeepSeek-V4 LoRA adapter from TP / EP / PP-sharded native chunks into one full :class:`AdapterState`.
 
-How: explicit gathers driven by each adapter parameter's own Megatron attributes, not Megatron-Bridge's
-``stream_adapter_weights_megatron_to_hf``. Bridge 0.6.2's adapter export does not fit this graph:
-
-* ``_megatron_global_adapters_info_all_pp_ranks`` records ``base_linear_is_parallel=True`` for every
-  ``ParallelLinearAdapter``, which is wrong for the replicated ``wq_a`` / ``wkv`` adapters;
-* it reads ``model.config.num_moe_experts`` (our chunks carry a ``ModelParallelConfig``) and maps names through
-  HF base-weight mappings, so its output would be official names, not the native names the exporter takes;
-* nothing in it knows the grouped ``wo_a`` (harmless here only because its tensors are flat).
-
-Every Bridge ``ParallelLinearAdapter`` linear is a Megatron ``Column``/``RowParallelLinear`` whose weight carries
-``tensor_model_parallel`` and ``partition_dim``: column-parallel bases give ``A``/``B`` split by rows, the
-row-parallel ``wo_b`` gives ``A`` split by columns and ``B`` by rows, replicated bases (``wq_a``, ``wkv``) also get
-row-split ``A``/``B`` (``gather_output=True``). Concatenating each TP group's shards along ``partition_dim``
-therefore reconstructs the full tensor for every kind. Pipeline stages own disjoint (globally numbered) layers:
-each stage's TP-gathered tensors are exchanged over the pipeline group and merged on the writer.
-"""
+The gathers are explicit and driven by each adapter parameter's own Megatron attributes. Megatron-Bridge's
+``stream_adapter_weights_megatron_to_hf`` is not used because its adapter export does not fit this graph; the
+reasons are in :func:`gather_full`. Pipeline stages own disjoint, globally numbered layers (:func:`merge_stages`)."""
 
 from __future__ import annotations
 
@@ -95,7 +82,23 @@ def gather_full(
     chunks: Sequence[nn.Module], value: Callable[[nn.Parameter], torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """This stage's adapter tensors, TP-gathered (collective over the TP group, same order on every TP rank);
-    ``value(param)``: a tensor laid out like the parameter to gather instead of it (an optimizer moment)."""
+    ``value(param)``: a tensor laid out like the parameter to gather instead of it (an optimizer moment).
+
+    Every Bridge ``ParallelLinearAdapter`` linear is a Megatron ``Column``/``RowParallelLinear`` whose weight carries
+    ``tensor_model_parallel`` and ``partition_dim``: column-parallel bases give ``A``/``B`` split by rows, the
+    row-parallel ``wo_b`` gives ``A`` split by columns and ``B`` by rows, replicated bases (``wq_a``, ``wkv``) also
+    get row-split ``A``/``B`` (``gather_output=True``). Concatenating each TP group's shards along ``partition_dim``
+    therefore reconstructs the full tensor for every kind.
+
+    Why not Megatron-Bridge's ``stream_adapter_weights_megatron_to_hf``: Bridge 0.6.2's adapter export does not fit
+    this graph.
+
+    * ``_megatron_global_adapters_info_all_pp_ranks`` records ``base_linear_is_parallel=True`` for every
+      ``ParallelLinearAdapter``, which is wrong for the replicated ``wq_a`` / ``wkv`` adapters;
+    * it reads ``model.config.num_moe_experts`` (our chunks carry a ``ModelParallelConfig``) and maps names through
+      HF base-weight mappings, so its output would be official names, not the native names the exporter takes;
+    * nothing in it knows the grouped ``wo_a`` (harmless here only because its tensors are flat).
+    """
     out: dict[str, torch.Tensor] = {}
     for name, param, group in adapter_parameters(chunks):
         if name in out:
@@ -105,7 +108,10 @@ def gather_full(
 
 
 def merge_stages(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every pipeline stage's TP-gathered tensors merged, on every rank (collective over the pipeline group)."""
+    """Every pipeline stage's TP-gathered tensors merged, on every rank (collective over the pipeline group).
+
+    Pipeline stages own disjoint (globally numbered) layers: each stage's TP-gathered tensors are exchanged over the
+    pipeline group and merged."""
     stages: list[Any] = [local]
     if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_pipeline_model_parallel_group()

@@ -1,13 +1,8 @@
-"""A published PEFT adapter (any dialect, any producer) into the native graph, at any layout: the reverse of the
-export.
-
-The directory is checked as ``verify-adapter`` checks it (:func:`impl.validate_adapter_dir`: names, halves, shapes,
-finiteness; its base fingerprint against ``base`` when given), each PEFT module path is read back to its target
-through the one dialect table (:func:`impl.adapter.dialects.resolve_module`) and named as the native parameter,
-and the full tensors load strictly into every rank's slices (:mod:`impl.adapter.scatter`). The model's LoRA must
-scale as the adapter does (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA): the tensors are copied, never
-rescaled, so native -> PEFT -> native is bit-exact.
-"""
+"""A published PEFT adapter, any dialect and any producer, into the native graph at any layout: the reverse of the
+export. The directory is checked as ``verify-adapter`` checks it, each module path is read back to its target
+through the one dialect table, and the full tensors load strictly into every rank's slices
+(:mod:`impl.adapter.scatter`). The model's LoRA must scale as the adapter does: tensors are copied, never rescaled,
+so native -> PEFT -> native is bit-exact. Details: :func:`read_published_adapter`."""
 
 from __future__ import annotations
 
@@ -41,7 +36,13 @@ _HALF = {"lora_A": "A", "lora_B": "B"}
 
 
 def read_published_adapter(adapter_dir: str | os.PathLike, *, base: Any = None) -> AdapterState:
-    """The adapter in ``adapter_dir`` as a full native :class:`AdapterState` (checked first; see the module)."""
+    """The adapter in ``adapter_dir`` as a full native :class:`AdapterState`, checked first.
+
+    The directory is checked as ``verify-adapter`` checks it (:func:`impl.validate_adapter_dir`: names, halves,
+    shapes, finiteness; its base fingerprint against ``base`` when given), and each PEFT module path is read back to
+    its target through the one dialect table (:func:`impl.adapter.dialects.resolve_module`) and named as the native
+    parameter. The model's LoRA must scale as the adapter does (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
+    """
     path = Path(adapter_dir)
     # any producer's adapter: a marker and a fingerprint are checked when present, not required
     checked = validate_adapter_dir(path, base=base, require_complete=False, require_certified=False)

@@ -1,16 +1,9 @@
 """What any module or tensor name of a DeepSeek-V4 base is, in every naming dialect.
 
-A third-party adapter (stock PEFT with suffix ``target_modules`` or ``"all-linear"``) wraps whatever its target
-spec matches, not just the five main-attention projections the exporter writes. To judge it, every name must
-resolve to what it is: a main-attention target, the indexer, a compressor, a routed or shared expert, the router,
-MTP, the embedding, the head, a norm, a hyper-connection or the attention sink. :func:`place_module` reads a path
-in the ``official`` (checkpoint) or ``transformers`` / ``sglang`` (``model.layers.N.self_attn...``) naming and
-returns its kind and the official module it stands for; :func:`dialect_module` writes an official module in a
-dialect (None where that dialect's model has no such module).
-
-Attention rows come from :data:`impl.vocabulary.TARGET_TABLE` (via :func:`impl.adapter.dialects.resolve_module`);
-the rest follow transformers' own ``deepseek_v4`` checkpoint renaming (``transformers/conversion_mapping.py``).
-"""
+A third-party adapter, such as stock PEFT with suffix ``target_modules`` or ``"all-linear"``, wraps whatever its spec
+matches, so to judge it every name must resolve to its :class:`ModuleKind`. :func:`place_module` reads a path in any
+dialect; :func:`dialect_module` writes an official module in a dialect. Attention rows come from
+:data:`impl.vocabulary.TARGET_TABLE`; the rest follow transformers' own ``deepseek_v4`` checkpoint renaming."""
 
 from __future__ import annotations
 
@@ -116,7 +109,13 @@ def _table_place(path: str) -> ModulePlace | None:
 
 def place_module(path: str) -> ModulePlace | None:
     """What ``path`` (a module path or a parameter name, relative to the base model, any dialect) is; None when
-    it names nothing of a V4 base."""
+    it names nothing of a V4 base.
+
+    It reads the ``official`` (checkpoint) or ``transformers`` / ``sglang`` (``model.layers.N.self_attn...``)
+    naming and returns the kind (a main-attention target, the indexer, a compressor, a routed or shared expert, the
+    router, MTP, the embedding, the head, a norm, a hyper-connection or the attention sink) and the official module
+    it stands for. Attention rows resolve through :func:`impl.adapter.dialects.resolve_module`; the rest follow
+    transformers' ``transformers/conversion_mapping.py``."""
     for candidate in (path, path.rsplit(".", 1)[0] if "." in path else None):
         if candidate is None:
             continue

@@ -1,18 +1,8 @@
 """A LoRA checkpoint saved rank by rank from a Megatron model (Miles' native format) as one full adapter state.
 
-The format, as Miles' ``save_lora_checkpoint`` writes it (radixark/miles @7fb0c40a, read from its source; Miles does
-not install on a CPU host, so it is known from that layout, not run): every rank ``torch.save``s a flat
-``{parameter name: tensor}`` of the adapter parameters it holds (names with ``lora_``, or ``.adapter.`` and
-``linear_in``/``linear_out``) as ``adapter_megatron_tp{t}_pp{p}.pt`` (the legacy name) or
-``adapter_megatron_rank{r}.pt`` (HEAD; which rank holds which (tp, pp) is the run's layout: ``tp`` and ``pp`` must be
-given, ranks ordered as Megatron's default ``tp-cp-ep-dp-pp``). Names are the model's own ``named_parameters``:
-wrapper prefixes (``module.``), Megatron-Bridge LoRA's ``.to_wrap`` hops, and layer numbers local to the pipeline
-stage in Megatron's ``TransformerBlock`` (global in :mod:`impl.native`'s graph; both are read).
-
-Reassembly follows Megatron-Bridge's ``ParallelLinearAdapter`` (the same facts :mod:`impl.adapter.gather` reads
-from each parameter's ``partition_dim`` at run time): every lora_A and lora_B is split along dim 0 over the TP
-group, except the row-parallel ``wo_b``'s lora_A, split along dim 1. Data-parallel replicas must agree bit for bit.
-"""
+It mirrors Miles' ``save_lora_checkpoint``, known from its source because Miles does not install on a CPU host, and
+reassembles the shards as Megatron-Bridge's ``ParallelLinearAdapter`` splits them. Data-parallel replicas must agree
+bit for bit. The format and the reassembly rules: :func:`read_native_shards`."""
 
 from __future__ import annotations
 
@@ -111,8 +101,24 @@ def _stage_layers(stages: Mapping[int, set[int]]) -> dict[int, int]:
 
 
 def read_native_shards(src: str | Path, *, alpha: float, tp: int | None = None, pp: int | None = None) -> AdapterState:
-    """The full adapter state of the native shards in ``src`` (see the module docstring); ``alpha`` is the run's
-    LoRA alpha (the shards do not hold it)."""
+    """The full adapter state of the native shards in ``src``; ``alpha`` is the run's LoRA alpha (the shards do not
+    hold it).
+
+    The format, as Miles' ``save_lora_checkpoint`` writes it (radixark/miles @7fb0c40a, read from its source; Miles
+    does not install on a CPU host, so it is known from that layout, not run): every rank ``torch.save``s a flat
+    ``{parameter name: tensor}`` of the adapter parameters it holds (names with ``lora_``, or ``.adapter.`` and
+    ``linear_in``/``linear_out``) as ``adapter_megatron_tp{t}_pp{p}.pt`` (the legacy name) or
+    ``adapter_megatron_rank{r}.pt`` (HEAD). Which rank holds which (tp, pp) is the run's layout: ``tp`` and ``pp``
+    must be given, ranks ordered as Megatron's default ``tp-cp-ep-dp-pp``. Names are the model's own
+    ``named_parameters``: wrapper prefixes (``module.``), Megatron-Bridge LoRA's ``.to_wrap`` hops, and layer numbers
+    local to the pipeline stage in Megatron's ``TransformerBlock`` (global in :mod:`impl.native`'s graph; both are
+    read).
+
+    Reassembly follows Megatron-Bridge's ``ParallelLinearAdapter`` (the same facts :mod:`impl.adapter.gather` reads
+    from each parameter's ``partition_dim`` at run time): every lora_A and lora_B is split along dim 0 over the TP
+    group, except the row-parallel ``wo_b``'s lora_A, split along dim 1. Data-parallel replicas must agree bit for
+    bit.
+    """
     src = Path(src)
     positions = _positions(src, tp, pp)
     if not positions:

@@ -3,8 +3,7 @@
 Each phase is a function of the :class:`ExportContext`; every rank runs every phase, and only the writer rank
 does file work. :func:`impl.adapter.export.export_adapter` runs the table and, after each phase, has all ranks
 agree on the outcome before the next one starts. The table is public so a caller (e.g. a fault matrix) can pass
-a copy with one phase wrapped; the names and their order are the protocol and cannot change.
-"""
+a copy with one phase wrapped; the names and their order are the protocol and cannot change."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """An adapter file's tensors read without torch: what ``verify-adapter`` checks needs bytes, shapes and dtypes only.
 
-Importing torch costs a command about a second and ~500 MB before it reads anything; an adapter is small and its
-checks (names, shapes, dtypes, finiteness) are plain reads. :func:`read_safetensors` parses the file through
-:mod:`impl.conversion.headers` (the one header reader: truncation and corruption are named there) and keeps each
-tensor's bytes; :meth:`RawTensor.torch` materializes one where arithmetic is needed (``verify-adapter --forward``,
-re-publishing with ``export --adapter``).
-"""
+Importing torch is costly before a command reads anything, and an adapter's checks are plain reads.
+:func:`read_safetensors` parses the file through :mod:`impl.conversion.headers`, the one header reader, which names
+truncation and corruption, and keeps each tensor's bytes; :meth:`RawTensor.torch` materializes one where arithmetic
+is needed (``verify-adapter --forward``, re-publishing with ``export --adapter``)."""
 
 from __future__ import annotations
 

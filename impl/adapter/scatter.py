@@ -1,14 +1,9 @@
 """Full adapter tensors into a TP / EP / PP-sharded native graph: the inverse of :mod:`impl.adapter.gather`.
 
-Each rank takes, for every LoRA parameter it holds, its slice of the full tensor along the parameter's own
-``partition_dim`` (the one the gather concatenated along), at its rank in the parameter's TP group; replicated
-parameters and data-parallel replicas (EP ranks, for the attention adapters) take the whole tensor; a pipeline
-stage takes only the layers it owns. So a full tensor saved at one layout loads at any other.
-
-:func:`scatter_problems` is the strict check (every adapter parameter of the model given, nothing else, shapes
-that fit) and is collective over the world (the names every rank holds); :func:`load_full` copies and assumes it
-passed, so a caller can agree on the problems across ranks before any parameter changes.
-"""
+Each rank takes its slice of each full tensor along the parameter's own ``partition_dim``; replicated parameters and
+data-parallel replicas take the whole tensor, and a stage only the layers it owns, so a tensor saved at one layout
+loads at any other. :func:`scatter_problems` is the strict, collective check; :func:`load_full` assumes it passed, so
+ranks can agree on the problems before any parameter changes."""
 
 from __future__ import annotations
 

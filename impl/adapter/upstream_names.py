@@ -1,12 +1,8 @@
 """Adapter tensors named in the upstream Megatron-Core layout, read through the mapping table.
 
-Megatron-Bridge's LoRA wraps a module ``M`` and names its tensors ``M.adapter.linear_in.weight`` (lora_A) and
-``M.adapter.linear_out.weight`` (lora_B). Users who trained on upstream Megatron-Core's ``dsv4_hybrid`` graph hold
-them under upstream module names (``decoder.layers.3.self_attention.linear_q_up_proj.adapter.linear_in.weight``);
-the exporter speaks Miles names (``...self_attention.wq_b.adapter...``). Both are rows of
-:data:`impl.conversion.mapping.MAPPING_TABLE`: the base weight ``M.weight`` resolves upstream -> official -> Miles,
-so no second name table exists. No megatron import (exporter ranks stay light).
-"""
+Users who trained on upstream Megatron-Core's ``dsv4_hybrid`` graph hold Megatron-Bridge LoRA tensors under upstream
+module names; the exporter speaks Miles names. Both are rows of :data:`impl.conversion.mapping.MAPPING_TABLE`, so no
+second name table exists (:func:`miles_adapter_name`). No megatron import: exporter ranks stay light."""
 
 from __future__ import annotations
 
@@ -24,6 +20,11 @@ def miles_adapter_name(name: str) -> str | None:
 
     Raises :class:`UpstreamAdapterError` for an adapter on a name the upstream graph holds as a raw parameter
     (``linear_o_group_proj``, the grouped ``wo_a``): Bridge's LoRA wraps modules, so no such adapter exists.
+
+    Megatron-Bridge's LoRA wraps a module ``M`` and names its tensors ``M.adapter.linear_in.weight`` (lora_A) and
+    ``M.adapter.linear_out.weight`` (lora_B); upstream names look like
+    ``decoder.layers.3.self_attention.linear_q_up_proj.adapter.linear_in.weight``, Miles names like
+    ``...self_attention.wq_b.adapter...``. The base weight ``M.weight`` resolves upstream -> official -> Miles.
     """
     module, sep, half = name.rpartition(".adapter.")
     if not sep or half not in ADAPTER_HALVES:

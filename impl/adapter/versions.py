@@ -1,19 +1,9 @@
 """Publication to disk while a server reads: versioned immutable adapter directories and one pointer.
 
-``root/v00000007`` is an ordinary export (:func:`impl.export_adapter`: staging, fsync, rename, ``.complete`` last)
-that is never written again; ``root/current`` is a symbolic link to the newest one, replaced atomically (a new
-link beside it, renamed over it, the directory fsynced) only after that export committed. A reader resolves the
-link ONCE (:func:`resolve_current`: ``os.path.realpath``) and reads every file from the directory it got, so it
-can never pair one version's ``adapter_config.json`` with the next version's weights; a reader that opens
-``root/current/...`` file by file across a swap can. Point a serving engine at the resolved directory.
-
-Retention keeps the newest ``keep`` versions and the current one, and deletes an older version only when it
-stopped being current at least ``grace_s`` seconds ago (``root/.history.json``), so a reader that resolved it
-while it was current has that long to finish loading. A deleted version is renamed out of the ``v*`` names first,
-so no reader can resolve a half-deleted directory. A publisher killed at any point leaves ``current`` at a
-complete version (the previous one, or the new one once its link is renamed in); leftovers are cleared by the
-next publication.
-"""
+Each version is an ordinary export, never written again; ``root/current`` points at the newest only after its export
+committed. A reader must resolve the pointer once (:func:`resolve_current`) and read every file from that directory,
+so it never pairs two versions' files; point a serving engine at the resolved directory. A publisher killed at any
+point leaves ``current`` at a complete version. Layout, swap and retention: :func:`publish_version`."""
 
 from __future__ import annotations
 
@@ -85,7 +75,7 @@ def _write_history(root: Path, history: dict[str, float | None]) -> None:
 
 
 def _retain(root: Path, current: str, keep: int, grace_s: float, now: float) -> list[str]:
-    """Delete what retention allows (see the module); the names deleted."""
+    """Delete what retention allows (see :func:`publish_version`); the names deleted."""
     history = _history(root)
     for name, until in list(history.items()):
         if name != current and until is None:
@@ -124,7 +114,22 @@ def publish_version(
     **options: Any,
 ) -> Path:
     """Collective (as :func:`impl.export_adapter`, whose arguments it takes): export the adapter as the next version
-    under ``root``, then point ``root/current`` at it and apply retention; returns the version's directory."""
+    under ``root``, then point ``root/current`` at it and apply retention; returns the version's directory.
+
+    ``root/v00000007`` is an ordinary export (:func:`impl.export_adapter`: staging, fsync, rename, ``.complete``
+    last) that is never written again; ``root/current`` is a symbolic link to the newest one, replaced atomically (a
+    new link beside it, renamed over it, the directory fsynced) only after that export committed. A reader resolves
+    the link ONCE (:func:`resolve_current`: ``os.path.realpath``) and reads every file from the directory it got, so
+    it can never pair one version's ``adapter_config.json`` with the next version's weights; a reader that opens
+    ``root/current/...`` file by file across a swap can.
+
+    Retention keeps the newest ``keep`` versions and the current one, and deletes an older version only when it
+    stopped being current at least ``grace_s`` seconds ago (``root/.history.json``), so a reader that resolved it
+    while it was current has that long to finish loading. A deleted version is renamed out of the ``v*`` names
+    first, so no reader can resolve a half-deleted directory. A publisher killed at any point leaves ``current`` at
+    a complete version (the previous one, or the new one once its link is renamed in); leftovers are cleared by the
+    next publication.
+    """
     if keep < 1:
         raise PublishedVersionError(f"keep={keep}: keep at least the current version")
     root = Path(os.path.abspath(root))

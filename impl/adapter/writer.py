@@ -1,18 +1,9 @@
 """The adapter file, written by us in the safetensors format and hashed while it is written.
 
-``.complete`` certifies the file's sha256. Hashing the file once written is the export's longest CPU step after
-the write itself, and ``safetensors.torch.save_file`` cannot be tailed (it writes a private temporary, maps it and
-renames it). Writing the format ourselves lets a second thread hash the very bytes in file order while the first
-writes them, so the digest is ready about when the file is. The validate phase still reads the file back with the
-safetensors library (its header) and byte for byte (its tensors), checking the tensors for NaN/Inf in the same
-pass (:mod:`impl.adapter.staged`): that thread has the slack while the fsync waits for the disk, the hash has none.
-
-The safetensors format (its README, "Format"): an 8-byte little-endian header size N, N bytes
-of JSON (``__metadata__`` plus, per tensor, dtype, shape and ``data_offsets`` into the data that follows), padded
-with spaces to a multiple of 8, then the tensors' bytes back to back. Tensors are laid out as the library lays
-them out (larger dtypes first, then by name); metadata keys are sorted, so the same adapter gives the same bytes
-(the library's metadata order varies from run to run).
-"""
+``.complete`` certifies the file's sha256, and ``safetensors.torch.save_file`` cannot be tailed, so writing the format
+ourselves lets a second thread hash the very bytes in file order as they are written (:func:`write_safetensors`).
+The same adapter always gives the same bytes. The validate phase still reads the file back with the safetensors
+library (:mod:`impl.adapter.staged`); the byte layout is in :func:`safetensors_header`."""
 
 from __future__ import annotations
 
@@ -49,7 +40,14 @@ _WRITE_CHUNK = 8 << 20  # bytes per os.write: hashed by the other thread while t
 def safetensors_header(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """The file's first bytes (size + padded JSON header) and, in file order, each tensor's byte span in the file."""
+    """The file's first bytes (size + padded JSON header) and, in file order, each tensor's byte span in the file.
+
+    The safetensors format (its README, "Format"): an 8-byte little-endian header size N, N bytes of JSON
+    (``__metadata__`` plus, per tensor, dtype, shape and ``data_offsets`` into the data that follows), padded with
+    spaces to a multiple of 8, then the tensors' bytes back to back. Tensors are laid out as the library lays them
+    out (larger dtypes first, then by name); metadata keys are sorted, so the same adapter gives the same bytes (the
+    library's metadata order varies from run to run).
+    """
     unknown = sorted(f"{name} ({t.dtype})" for name, t in tensors.items() if t.dtype not in ST_DTYPES)
     if unknown:
         raise ValueError(f"no safetensors dtype for {', '.join(unknown)}")
@@ -118,7 +116,15 @@ def write_safetensors(
 ) -> HashedWrite:
     """Write ``tensors`` (CPU, contiguous) to a new file ``path`` in the safetensors format; the file's sha256 is
     computed from the same bytes as they are written. Raises ``FileExistsError`` if ``path`` exists; on any error
-    the partial file is removed."""
+    the partial file is removed.
+
+    Why: hashing the file once written is the export's longest CPU step after the write itself, and
+    ``safetensors.torch.save_file`` cannot be tailed (it writes a private temporary, maps it and renames it). Here a
+    second thread hashes the bytes in file order while the first writes them, so the digest is ready about when the
+    file is. The validate phase still reads the file back with the safetensors library (its header) and byte for
+    byte (its tensors), checking the tensors for NaN/Inf in the same pass (:mod:`impl.adapter.staged`): that thread
+    has the slack while the fsync waits for the disk, the hash has none.
+    """
     head, spans = safetensors_header(tensors, metadata)
     raw = {name: raw_bytes(tensors[name]) for name in spans}  # file order
     hasher = _Hasher()

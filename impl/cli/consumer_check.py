@@ -1,20 +1,8 @@
 """``dsv4-lora verify-adapter --consumer`` and ``dsv4-lora export --consumer``: an adapter judged by the rules of the
-consumer that will load it (:data:`dsv4_conformance.judge.consumers.CONSUMER_RULES`, the judge's table, checked
-against the consumers' own code by ``suites/reference/test_consumers.py``).
-
-``--consumer NAME`` judges by the newest engine release impl holds rules for (one a lane tested; the command prints
-which, and the tested ones); ``--consumer NAME==RELEASE`` (or ``--consumer-version``) names another tested release,
-and a release no lane ran is refused with the tested ones listed.
-
-``verify-adapter --consumer NAME`` reads the adapter's safetensors header only (names and metadata): every module
-is resolved to its dialect and target, and every target the consumer would not apply (loaded but not applied,
-skipped, rejected, routed elsewhere, or with no rule at all) is one problem line.
-
-``export --adapter SRC --out DST --consumer NAME`` re-publishes an existing adapter for a consumer through the
-collective export (world of one): SRC is validated, its tensors renamed back to the native names and exported in
-the consumer's dialect, failing closed exactly like the library export (nothing published) unless
-``--allow-unapplied`` records what the consumer would not apply in the safetensors metadata ``dsv4_consumer``.
-"""
+consumer that will load it: :data:`dsv4_conformance.judge.consumers.CONSUMER_RULES`, the judge's table, checked
+against the consumers' own code by ``suites/reference/test_consumers.py``. Only a release a lane tested judges; another
+is refused with the tested ones listed. Every target the consumer would not apply is one problem line
+(:func:`consumer_problems`). The re-publishing export fails closed like the library export (:func:`cmd_export`)."""
 
 from __future__ import annotations
 
@@ -90,7 +78,12 @@ def adapter_targets(adapter: str | Path) -> AdapterTargets:
 
 
 def consumer_problems(adapter: str | Path, consumer: str, version: str | None = None) -> tuple[str, list[str]]:
-    """(figure, problems): every target of ``adapter`` that ``consumer`` would not apply, one line each."""
+    """(figure, problems): every target of ``adapter`` that ``consumer`` would not apply, one line each.
+
+    ``verify-adapter --consumer NAME`` reads the adapter's safetensors header only (names and metadata): every module
+    is resolved to its dialect and target, and every target the consumer would not apply (loaded but not applied,
+    skipped, rejected, routed elsewhere, or with no rule at all) is one problem line.
+    """
     found = adapter_targets(adapter)
     if found.dialect is None:
         return "adapter unreadable", found.problems or [f"{adapter}: no adapter modules found"]
@@ -153,7 +146,12 @@ def add_consumer_check(result, adapter: str | Path, consumer: str, version: str 
 
 
 def add_consumer_arguments(parser: argparse.ArgumentParser, *, export: bool) -> None:
-    """``--consumer`` (and ``--consumer-version``) on ``verify-adapter``; required on ``export``."""
+    """``--consumer`` (and ``--consumer-version``) on ``verify-adapter``; required on ``export``.
+
+    ``--consumer NAME`` judges by the newest engine release impl holds rules for (one a lane tested; the command
+    prints which, and the tested ones); ``--consumer NAME==RELEASE`` (or ``--consumer-version``) names another tested
+    release, and a release no lane ran is refused with the tested ones listed.
+    """
     parser.add_argument(
         "--consumer",
         required=export,
@@ -167,7 +165,13 @@ def add_consumer_arguments(parser: argparse.ArgumentParser, *, export: bool) -> 
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``dsv4-lora export``: re-publish an adapter for a consumer; exit 1 (nothing published) when it refuses."""
+    """``dsv4-lora export``: re-publish an adapter for a consumer; exit 1 (nothing published) when it refuses.
+
+    ``export --adapter SRC --out DST --consumer NAME`` goes through the collective export (world of one): SRC is
+    validated, its tensors renamed back to the native names and exported in the consumer's dialect, failing closed
+    exactly like the library export (nothing published) unless ``--allow-unapplied`` records what the consumer would
+    not apply in the safetensors metadata ``dsv4_consumer``.
+    """
     from impl.adapter.export import export_adapter
 
     try:

@@ -1,16 +1,9 @@
 """``dsv4-lora convert-adapter``: a pickled PEFT adapter (``adapter_model.bin`` / ``*.pt``) as safetensors.
 
-``verify-adapter`` and the export never unpickle anything (loading a pickle can run code). This explicit command
-is the way forward: it loads the pickle with ``torch.load(..., weights_only=True)`` (tensors and plain containers
-only), refuses anything but a flat ``{name: tensor}`` dict (:class:`impl.errors.PickleAdapterError` naming what it
-found), and publishes ``adapter_model.safetensors`` beside the unchanged ``adapter_config.json`` through the
-export's fail-closed atomic path (:func:`impl.adapter.files.publish_files`). The result is still uncertified
-(nothing proves its base); ``dsv4-lora export --adapter OUT --consumer ...`` re-publishes it for a consumer.
-
-A folder of native LoRA shards (Miles' ``adapter_megatron_tp{t}_pp{p}.pt`` / ``adapter_megatron_rank{r}.pt``, one per
-rank: :mod:`impl.adapter.native_shards`) is reassembled into the full adapter and published by the export itself
-(shapes checked against ``--base`` when given), in the dialect asked for.
-"""
+``verify-adapter`` and the export never unpickle anything, because loading a pickle can run code; this explicit
+command is the way forward, loading with ``weights_only=True`` (:func:`convert_adapter`). The result is still
+uncertified: nothing proves its base. A folder of native LoRA shards is reassembled and published by the export
+itself (:func:`convert_native_shards`)."""
 
 from __future__ import annotations
 
@@ -67,7 +60,14 @@ def load_pickled_tensors(file: Path) -> dict:
 
 
 def convert_adapter(src: str | Path, out: str | Path) -> Path:
-    """Convert the pickled adapter in ``src`` to a safetensors adapter directory ``out``; returns ``out``."""
+    """Convert the pickled adapter in ``src`` to a safetensors adapter directory ``out``; returns ``out``.
+
+    It loads the pickle with ``torch.load(..., weights_only=True)`` (tensors and plain containers only), refuses
+    anything but a flat ``{name: tensor}`` dict (:class:`impl.errors.PickleAdapterError` naming what it found), and
+    publishes ``adapter_model.safetensors`` beside the unchanged ``adapter_config.json`` through the export's
+    fail-closed atomic path (:func:`impl.adapter.files.publish_files`). The result is still uncertified (nothing
+    proves its base); ``dsv4-lora export --adapter OUT --consumer ...`` re-publishes it for a consumer.
+    """
     from safetensors.torch import save
 
     from impl.adapter.files import ADAPTER_FILE, CONFIG_FILE, publish_files
@@ -99,7 +99,12 @@ def _native_alpha(src: Path, alpha: float | None) -> float:
 
 
 def convert_native_shards(src: str | Path, out: str | Path, args: argparse.Namespace) -> Path:
-    """Reassemble native LoRA shards into one adapter and publish it with the fail-closed export."""
+    """Reassemble native LoRA shards into one adapter and publish it with the fail-closed export.
+
+    The folder holds Miles' ``adapter_megatron_tp{t}_pp{p}.pt`` / ``adapter_megatron_rank{r}.pt``, one per rank
+    (:mod:`impl.adapter.native_shards`); shapes are checked against ``--base`` when given, and the adapter is
+    published in the dialect asked for.
+    """
     from impl.adapter.export import export_adapter
     from impl.adapter.native_shards import read_native_shards
 

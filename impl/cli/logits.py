@@ -1,12 +1,9 @@
 """How qualify compares logits, and how it proves each comparison could have failed.
 
-A comparison holds native logits against a reference within a tolerance derived from the dtype's rounding
-(:class:`LogitCheck`). A tolerance only means something if it is below the smallest defect the comparison claims to
-catch: for the reload, an exported adapter that lost one target, or one layer, or scaled one target's delta. Those
-defects move the reloaded logits by the *effect* of that target or layer, so :func:`adapter_effects` measures each
-effect on the reloaded PEFT model itself (that part's LoRA scaling set to zero, the logits recomputed) and
-:class:`Power` turns them into a verdict: a comparison whose tolerance is not below every effect is inconclusive.
-"""
+A comparison holds native logits against a reference within a tolerance from the dtype's rounding (:class:`LogitCheck`).
+A tolerance only means something below the smallest defect the comparison claims to catch, so :func:`adapter_effects`
+measures how far each target's and layer's delta moves the reloaded logits, and :class:`Power` judges: a comparison
+whose tolerance is not below every effect is inconclusive."""
 
 from __future__ import annotations
 
@@ -90,7 +87,12 @@ def compare_logits(got: Any, want: Any, check: LogitCheck) -> LogitComparison:
 @dataclass(frozen=True)
 class Power:
     """The smallest defects a reload comparison claims to catch, measured: per target and per layer, how far the
-    logits move when that part of the adapter is removed, against the tolerance the comparison uses."""
+    logits move when that part of the adapter is removed, against the tolerance the comparison uses.
+
+    For the reload the defects are an exported adapter that lost one target, or one layer, or scaled one target's
+    delta; they move the reloaded logits by the *effect* of that target or layer, measured on the reloaded PEFT
+    model itself (:func:`adapter_effects`: that part's LoRA scaling set to zero, the logits recomputed). A
+    comparison whose tolerance is not below every effect is inconclusive."""
 
     tolerance: float
     by_target: dict[str, float]

@@ -1,17 +1,8 @@
 """What a ``dsv4-lora`` command shows a person, and where everything else goes: the one console/log policy.
 
-The terminal gets the command's own lines: what it does, one line per step with its time, the table, the verdict,
-where the report and the log are, and problem lines. Everything the libraries write (warnings, INFO logs, import
-probes with their tracebacks, progress bars, parameter lists, C++ messages), in this process and in every rank it
-starts, goes to the log file (``OUT/dsv4-lora.log`` beside the report); ``-v/--verbose`` shows it on the terminal too.
-
-How: :class:`Console` points file descriptors 1 and 2 at the log (verbose: at pipes that a thread copies to the log
-and to the terminal), so C++ code, the rank processes and any other child, which all inherit the descriptors, land
-there as well. ``sys.stdout`` becomes a stream on a duplicate of the terminal (copied into the log), so a command's
-own ``print`` still reaches the person; ``sys.stderr`` stays on descriptor 2: Python warnings and logging go to the
-log. Problem lines go through :meth:`Console.problem`. A rank sends its progress lines to the launcher over its pipe
-(``launcher.progress``), which shows them here: the rank's own descriptors point at the log.
-"""
+The terminal gets only the command's own lines: steps with their times, the table, the verdict, where the report and
+log are, and problem lines. Everything libraries, C++ code and rank processes write goes to the log file
+(``OUT/dsv4-lora.log``); ``-v/--verbose`` shows it on the terminal too. How: :class:`Console`."""
 
 from __future__ import annotations
 
@@ -146,7 +137,21 @@ def _write_quietly(fd: int, data: bytes) -> None:
 
 
 class Console:
-    """The terminal and the log of one command run (a context manager; see the module docstring)."""
+    """The terminal and the log of one command run (a context manager).
+
+    The terminal gets the command's own lines: what it does, one line per step with its time, the table, the
+    verdict, where the report and the log are, and problem lines. Everything the libraries write (warnings, INFO
+    logs, import probes with their tracebacks, progress bars, parameter lists, C++ messages), in this process and in
+    every rank it starts, goes to the log file (``OUT/dsv4-lora.log`` beside the report); ``verbose`` shows it on
+    the terminal too.
+
+    How: it points file descriptors 1 and 2 at the log (verbose: at pipes that a thread copies to the log and to the
+    terminal), so C++ code, the rank processes and any other child, which all inherit the descriptors, land there as
+    well. ``sys.stdout`` becomes a stream on a duplicate of the terminal (copied into the log), so a command's own
+    ``print`` still reaches the person; ``sys.stderr`` stays on descriptor 2: Python warnings and logging go to the
+    log. Problem lines go through :meth:`problem`. A rank sends its progress lines to the launcher over its pipe
+    (``launcher.progress``), which shows them here: the rank's own descriptors point at the log.
+    """
 
     def __init__(self, log_path: str | os.PathLike[str], *, verbose: bool = False):
         self.log_path = Path(log_path)

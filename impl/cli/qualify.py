@@ -1,28 +1,9 @@
 """``dsv4-lora qualify``: the whole DeepSeek-V4 LoRA contract, end to end, on one base.
 
-Steps (each a :class:`Check` with a figure and pass/fail):
-
-| check | what it proves |
-|---|---|
-| ``detect`` | the base is exactly ``DeepseekV4ForCausalLM`` |
-| ``coverage`` | every checkpoint tensor maps through the table (0 unmapped, 0 missing) |
-| ``build`` | native graph built by the provider, LoRA applied in a pre-wrap hook before DDP; only adapters train |
-| ``strict_load`` | every native parameter and buffer filled from the checkpoint, nothing left over |
-| ``base_logits`` | with zero-initialised adapters the native logits equal transformers' (within :class:`LogitCheck`) |
-| ``train`` | optimizer steps on ONE fixed batch: the loss falls, finite non-zero updates on every adapter, base unchanged |
-| ``export`` | adapter-only PEFT export, validated, ``.complete`` written last; its tensors exactly the requested |
-|            | targets x layers |
-| ``reload`` | PEFT loads the adapter onto transformers' model of the same base; logits equal the native LoRA model's, in |
-|            | float32 (:mod:`impl.cli.logits`); inconclusive unless removing any one target or layer moves them more |
-| ``verify`` | the exported directory passes ``verify-adapter`` checks (files, marker, fingerprint) |
-
-This module is the launcher's side (options, the base's header checks, the ranks started and their checks
-gathered); :mod:`impl.cli.qualify_rank` is the rank's. Where the time goes: the launcher imports neither torch nor
-transformers nor megatron. It starts the ranks, which
-import them (and rank 0 writes the embedded default base meanwhile), and prints the start line with its time when
-every rank is ready; each rank then runs every check, ``detect`` and ``coverage`` first, and rank 0 sends one
-progress line per step, with its time, through the launcher (:mod:`impl.cli.output`).
-"""
+This module is the launcher's side: options, the base's header checks, the ranks started and their checks gathered;
+:mod:`impl.cli.qualify_rank` is the rank's. The launcher must import neither torch nor transformers nor megatron, so
+it starts fast; the ranks import them. Rank 0 sends one progress line per step through the launcher
+(:mod:`impl.cli.output`). The checks and what each proves: :func:`run_qualify`."""
 
 from __future__ import annotations
 
@@ -77,7 +58,31 @@ def versions() -> dict[str, str]:
 
 def run_qualify(opts: QualifyOptions, *, nproc: int, default_base: DefaultBase | None = None) -> list[Check]:
     """Every check, in order (rank 0's, and what failed on other ranks). ``default_base``: rank 0 writes the
-    embedded base into ``opts.base`` while the ranks start up."""
+    embedded base into ``opts.base`` while the ranks start up.
+
+    Each step is a :class:`Check` with a figure and pass/fail:
+
+    | check | what it proves |
+    |---|---|
+    | ``detect`` | the base is exactly ``DeepseekV4ForCausalLM`` |
+    | ``coverage`` | every checkpoint tensor maps through the table (0 unmapped, 0 missing) |
+    | ``build`` | native graph built by the provider, LoRA applied in a pre-wrap hook before DDP; only adapters train |
+    | ``strict_load`` | every native parameter and buffer filled from the checkpoint, nothing left over |
+    | ``base_logits`` | with zero-initialised adapters the native logits equal transformers' (within |
+    |                 | :class:`LogitCheck`) |
+    | ``train`` | optimizer steps on ONE fixed batch: the loss falls, finite non-zero updates on every adapter, base |
+    |           | unchanged |
+    | ``export`` | adapter-only PEFT export, validated, ``.complete`` written last; its tensors exactly the requested |
+    |            | targets x layers |
+    | ``reload`` | PEFT loads the adapter onto transformers' model of the same base; logits equal the native LoRA |
+    |            | model's, in float32 (:mod:`impl.cli.logits`); inconclusive unless removing any one target or layer |
+    |            | moves them more |
+    | ``verify`` | the exported directory passes ``verify-adapter`` checks (files, marker, fingerprint) |
+
+    The launcher prints the start line with its time when every rank is ready (rank 0 writes the embedded default
+    base meanwhile); each rank then runs every check, ``detect`` and ``coverage`` first, and rank 0 sends one
+    progress line per step, with its time.
+    """
     from impl.cli.qualify_rank import preload, qualify_rank
     from impl.conversion.base_dir import inspect_base
     from launcher.launch import run_on_ranks

@@ -1,14 +1,9 @@
 """The package versions CI runs the suite under, per lane, and what a run on others is told.
 
-A lane is one environment CI tests: the main ``.venv`` (``requirements/base.txt``, ``scripts/install.sh``'s
-Megatron-Bridge pin), the older Bridge pins (``scripts/pin_overlay.sh``: bridge and core over the main venv) and
-the GPU machine's image rehearsal (``requirements/device-image.txt``, no megatron), and the latest lane
-(``requirements/latest.txt``: the newest torch, transformers and PEFT; its Bridge half runs with the newest
-transformers Megatron-Bridge imports under, ``requirements/latest-bridge.txt``; its megatron-free files run again
-under the previous transformers release, ``requirements/latest-previous.txt``). ``suites/reference/test_tested_versions.py``
-reads those files and the README's table independently and fails when this table differs from them. A version
-found in no lane is not an error: ``qualify`` says so in one line and records it in its JSON report.
-"""
+A lane is one environment CI tests; :data:`LANES` says which file pins each.
+``suites/reference/test_tested_versions.py`` reads those files and the README's table independently and fails when
+this table differs from them. A version found in no lane is not an error: ``qualify`` says so in one line and
+records it in its JSON report."""
 
 from __future__ import annotations
 

@@ -1,23 +1,9 @@
 """The one place where this project adapts the Megatron stack to a CPU-only host.
 
-Three pieces, each inactive when the real thing exists:
-
-| piece | active when | what it does |
-|---|---|---|
-| ``te_stub`` | ``transformer_engine`` cannot be imported | import-only stand-in so ``megatron.bridge`` imports; using any class raises ``TransformerEngineStubError`` |
-| ``cpu`` | ``torch.cuda.is_available()`` is False | CPU replacements for megatron-core's hard-coded CUDA device and RNG calls |
-| ``mla`` | the local ``DotProductAttention`` rejects ``k_channels`` | accepts ``k_channels``/``v_channels`` as TE's attention does (megatron-core local-spec MLA bug) |
-
-``install()`` applies all three in the order that matters (megatron-core first, so its own
-``HAVE_TE`` probes see the truth) and is idempotent. ``megatron.training`` is imported first too when it exists
-(source-built containers may lack it; nothing here needs it). A Transformer Engine that is installed but does not
-import (wrong CUDA / torch ABI) is reported as :class:`TransformerEngineImportError` with its cause: megatron-core
-would otherwise fall back silently and Megatron-Bridge fail later on an unrelated-looking import.
-
-``megatron_bridge`` is not a stand-in: it holds every access to a Megatron-Bridge private attribute, each behind a
-named function, so the rest of ``impl`` depends on Megatron-Bridge's public surface only. Why each piece exists:
-``docs/reference/cpu_environment.md``.
-"""
+Each piece is inactive when the real thing exists; :func:`install` applies them in the order that matters and is
+idempotent. A Transformer Engine that is installed but does not import is reported as
+:class:`TransformerEngineImportError` with its cause, never left to a silent fallback. ``megatron_bridge`` holds every
+access to a Megatron-Bridge private attribute, so the rest of ``impl`` uses its public surface only."""
 
 from __future__ import annotations
 
@@ -45,7 +31,25 @@ _REPORT: CompatReport | None = None
 
 
 def install() -> CompatReport:
-    """Make megatron-core and megatron-bridge usable on this host; return what was activated."""
+    """Make megatron-core and megatron-bridge usable on this host; return what was activated.
+
+    Three pieces, each inactive when the real thing exists:
+
+    | piece | active when | what it does |
+    |---|---|---|
+    | ``te_stub`` | ``transformer_engine`` cannot be imported | import-only stand-in so ``megatron.bridge`` imports; |
+    |  |  | using any class raises ``TransformerEngineStubError`` |
+    | ``cpu`` | ``torch.cuda.is_available()`` is False | CPU replacements for megatron-core's hard-coded CUDA device |
+    |  |  | and RNG calls |
+    | ``mla`` | the local ``DotProductAttention`` rejects ``k_channels`` | accepts ``k_channels``/``v_channels`` as |
+    |  |  | TE's attention does (megatron-core local-spec MLA bug) |
+
+    Megatron-core is imported first, so its own ``HAVE_TE`` probes see the truth; ``megatron.training`` is imported
+    first too when it exists (source-built containers may lack it; nothing here needs it). A Transformer Engine that
+    is installed but does not import (wrong CUDA or torch ABI) raises :class:`TransformerEngineImportError`:
+    megatron-core would otherwise fall back silently and Megatron-Bridge fail later on an unrelated-looking import.
+    ``megatron_bridge`` is not a stand-in. Why each piece exists: ``docs/reference/cpu_environment.md``.
+    """
     global _REPORT
     if _REPORT is not None:
         return _REPORT

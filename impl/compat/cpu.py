@@ -1,11 +1,9 @@
 """CPU replacements for the CUDA-only calls megatron-core makes unconditionally.
 
-megatron-core 0.19.2 hard-codes ``torch.cuda.current_device()`` (rotary cache, global memory
-buffer) and the CUDA RNG tracker (``model_parallel_cuda_manual_seed``, attention dropout);
-Megatron's DDP wrapping (``megatron.training.models.dist_utils._ddp_wrap``) creates a CUDA stream.
-Without CUDA these raise; the replacements route them to the CPU generator. They are installed
-only when ``torch.cuda.is_available()`` is False, so a GPU node runs megatron-core untouched.
-"""
+megatron-core hard-codes ``torch.cuda.current_device()`` (rotary cache, global memory buffer) and the CUDA RNG tracker
+(``model_parallel_cuda_manual_seed``, attention dropout); Megatron's DDP wrapping creates a CUDA stream. Without CUDA
+these raise; the replacements route them to the CPU generator. They are installed only when
+``torch.cuda.is_available()`` is False, so a GPU node runs megatron-core untouched."""
 
 from __future__ import annotations
 
@@ -17,7 +15,10 @@ _INSTALLED = False
 
 
 def install_if_no_cuda(cuda_available: bool | None = None) -> bool:
-    """Install the CPU shims when CUDA is unavailable. Returns True when they are (now) active."""
+    """Install the CPU shims when CUDA is unavailable. Returns True when they are (now) active.
+
+    The calls replaced are those of megatron-core 0.19.2 and of Megatron's DDP wrapping
+    (``megatron.training.models.dist_utils._ddp_wrap``, which creates a CUDA stream)."""
     global _INSTALLED
     if _INSTALLED:
         return True

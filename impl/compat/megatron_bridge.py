@@ -3,8 +3,7 @@
 The rest of ``impl`` calls these functions instead of reaching into Megatron-Bridge objects, so a pin that renames
 one of them breaks here, in a function named for what it does. Each was read in Megatron-Bridge 0.6.2; the pin
 matrix (``scripts/run_pin.sh``) shows whether other pins still have it. Nothing here imports ``megatron.bridge`` at
-module level: the CPU compat layer must be installed first.
-"""
+module level: the CPU compat layer must be installed first."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Megatron-Bridge imports ``transformer_engine.pytorch`` unconditionally (``peft/lora_layers.py``)
 and uses ``te.ops.Sequential`` in class annotations, so attribute access must work at import time.
 Instantiating or calling anything raises :class:`TransformerEngineStubError`, so no code path can
-silently run on a fake. The stub is never installed when the real package imports.
-"""
+silently run on a fake. The stub is never installed when the real package imports."""
 
 from __future__ import annotations
 

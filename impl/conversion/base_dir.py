@@ -1,21 +1,8 @@
 """A base checkpoint directory as the header-only commands read it, every problem named by its file.
 
-:func:`inspect_base` reads ``config.json`` (DeepSeek-V4 or not comes FIRST: every later finding is moot on another
-architecture), the shard set (``model.safetensors.index.json`` and the ``*.safetensors`` files agree) and every
-shard's safetensors header, and lists what is wrong; :func:`read_base_dir` raises the first problem as its typed
-error. Headers only, so a full-size base costs milliseconds. Plain Python and safetensors: no megatron.
-
-| step | problem when |
-|---|---|
-| ``directory`` | the base path does not exist or is not a directory |
-| ``config`` | ``config.json`` missing, unreadable, not a JSON object, not DeepSeek-V4, or lacking a required key |
-| ``transformers_config`` | (when asked) transformers' ``DeepseekV4Config`` rejects a value |
-| ``shards`` | no shard; the index is invalid, names a shard that is absent, or omits one that is present |
-| ``headers`` | a shard is not a readable safetensors file (truncated, corrupt); a tensor sits in two shards, or in |
-|  | another shard than the index says |
-| ``layout`` | (a base written by transformers' ``save_pretrained``: :mod:`impl.conversion.layouts`) a tensor name |
-|  | that stands for nothing of a V4 base; the others are read under their official names |
-"""
+:func:`inspect_base` lists what is wrong; :func:`read_base_dir` raises the first problem as its typed error. Whether
+the config is DeepSeek-V4 comes first: every later finding is moot on another architecture. It reads headers only,
+so a full-size base is cheap, and it needs plain Python and safetensors, never megatron."""
 
 from __future__ import annotations
 
@@ -242,7 +229,22 @@ BASE_STEPS: tuple[tuple[str, Callable[[BaseDir], Iterator[Problem]], bool], ...]
 def inspect_base(path: str | Path, *, transformers_config: bool = False) -> BaseDir:
     """Read a base directory's config and headers, listing every problem (never raises on a bad base).
     ``transformers_config``: also have transformers parse ``config.json`` (for commands that build from it; the
-    header-only ``verify-adapter`` does not need it)."""
+    header-only ``verify-adapter`` does not need it).
+
+    It reads ``config.json``, the shard set (``model.safetensors.index.json`` and the ``*.safetensors`` files agree)
+    and every shard's safetensors header. The steps, in order:
+
+    | step | problem when |
+    |---|---|
+    | ``directory`` | the base path does not exist or is not a directory |
+    | ``config`` | ``config.json`` missing, unreadable, not a JSON object, not DeepSeek-V4, or lacking a required key |
+    | ``transformers_config`` | (when asked) transformers' ``DeepseekV4Config`` rejects a value |
+    | ``shards`` | no shard; the index is invalid, names a shard that is absent, or omits one that is present |
+    | ``headers`` | a shard is not a readable safetensors file (truncated, corrupt); a tensor sits in two shards, or |
+    |  | in another shard than the index says |
+    | ``layout`` | (a base written by transformers' ``save_pretrained``: :mod:`impl.conversion.layouts`) a tensor name |
+    |  | that stands for nothing of a V4 base; the others are read under their official names |
+    """
     base = BaseDir(Path(path))
     steps = list(BASE_STEPS)
     if transformers_config:

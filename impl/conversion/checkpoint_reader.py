@@ -3,8 +3,7 @@
 ``.scale`` companions.
 
 Everything here reads headers only, so the strict load (:mod:`impl.conversion.bridge`) can judge a full-size
-checkpoint, agree across ranks and fail before any collective or any tensor read.
-"""
+checkpoint, agree across ranks and fail before any collective or any tensor read."""
 
 from __future__ import annotations
 

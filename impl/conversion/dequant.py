@@ -1,16 +1,9 @@
 """Dequantization of the official checkpoint's FP8 and MXFP4 weights, bit-identical to Megatron-Bridge's, faster.
 
-Megatron-Bridge (``quantization_utils.maybe_dequantize_hf_quantized_weight``) computes every value as
-``float32(code) * float32(scale)`` cast once to the target dtype, through int64 index tensors, a stack, full-size
-fp32 copies and scale maps: on one Flash layer that is most of the load time. With UE8M0 scales (the instruct
-checkpoints) a value depends on two bytes only, the code byte and the scale byte, so here Bridge's own formula is
-evaluated once for all 256 x 256 pairs (:func:`scaled_table`) and a weight becomes one gather from that table,
-indexed by ``code | scale << 8``, done in row chunks so the index stays in cache. MXFP4 packs two codes per byte:
-its table entry holds both values (low nibble first), so one gather writes two outputs. Scales that are not powers
-of two (fp32, the *-Base checkpoints) are applied in fp32 and cast once, as Bridge does.
-Layouts the validation accepts (``[ceil(o/128), ceil(i/128)]`` FP8 block scales, ``[o, i/32]`` MXFP4 scales)
-take these paths; anything else is handed to Megatron-Bridge.
-"""
+It must stay bit-identical to Bridge's ``quantization_utils.maybe_dequantize_hf_quantized_weight``: with UE8M0 scales
+Bridge's own formula is evaluated once per code and scale byte pair and a weight becomes one gather from that table
+(:func:`scaled_table`). Other scales follow Bridge's order of operations; scale layouts the validation does not accept
+are handed to Megatron-Bridge (:func:`dequantize_official`)."""
 
 from __future__ import annotations
 
@@ -49,7 +42,15 @@ def _byte_values(fmt: str) -> torch.Tensor:
 def scaled_table(fmt: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``[256 * 256]`` words, entry ``code | scale << 8`` = Megatron-Bridge's dequantized value(s) of that code
     byte under that UE8M0 scale byte: ``(float32(value) * float32(scale)).to(dtype)``, packed into one integer of
-    the entry's width (``fmt``: ``"fp8"`` one value per byte, ``"mxfp4"`` two)."""
+    the entry's width (``fmt``: ``"fp8"`` one value per byte, ``"mxfp4"`` two).
+
+    Why: Megatron-Bridge computes every value as ``float32(code) * float32(scale)`` cast once to the target dtype,
+    through int64 index tensors, a stack, full-size fp32 copies and scale maps: on one Flash layer that is most of
+    the load time. With UE8M0 scales (the instruct checkpoints) a value depends on two bytes only, the code byte and
+    the scale byte, so Bridge's own formula is evaluated once for all 256 x 256 pairs here and a weight becomes one
+    gather from this table, indexed by ``code | scale << 8``, done in row chunks so the index stays in cache. MXFP4
+    packs two codes per byte: its entry holds both values (low nibble first), so one gather writes two outputs.
+    """
     scales = torch.arange(256).to(torch.uint8).view(torch.float8_e8m0fnu).to(torch.float32)
     table = (scales.view(256, 1, 1) * _byte_values(fmt).unsqueeze(0)).to(dtype).contiguous()
     return table.view(_WORD[table.shape[-1] * table.element_size()]).reshape(-1).to(device)
@@ -213,7 +214,12 @@ def dequantize_official(
     """What ``maybe_dequantize_hf_quantized_weight(hf_param, state, dtype=dtype)`` returns (``fallback`` is that
     function): a tensor per name, dequantized when it has a ``.scale`` companion. With ``device`` (the destination
     parameter's) the quantized bytes move there first and are dequantized there: on a GPU that moves a quarter
-    (MXFP4) or half (FP8) of the bf16 bytes over the bus and runs the lookups on the device."""
+    (MXFP4) or half (FP8) of the bf16 bytes over the bus and runs the lookups on the device.
+
+    UE8M0 scales take the table path (:func:`scaled_table`). Scales that are not powers of two (fp32, the *-Base
+    checkpoints) are applied in fp32 and cast once, as Bridge does. Layouts the validation accepts
+    (``[ceil(o/128), ceil(i/128)]`` FP8 block scales, ``[o, i/32]`` MXFP4 scales) take these paths; anything else is
+    handed to ``fallback``, Megatron-Bridge's function."""
     if isinstance(hf_param, dict):
         return {
             k: dequantize_official(v, state, dtype=dtype, fallback=fallback, device=device) for k, v in hf_param.items()

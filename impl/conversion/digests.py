@@ -1,16 +1,9 @@
 """sha256 of base tensors, remembered across runs while the shard file is provably unchanged.
 
-A base is pinned and read many times: every adapter checked against it hashes the same targeted bytes (4.4 GB of
-FP8 weights on DeepSeek-V4-Flash). As git's index does, a shard's digests are reused only while the file's identity
-is what it was when they were taken: device, inode, size, and mtime and ctime in nanoseconds (ctime cannot be set
-back by a user: every write, ``utime`` or rename moves it). Digests of a file whose mtime or ctime is within
-:data:`RACY_MARGIN_S` of the moment it is hashed, or whose identity changes while it is hashed, are never stored
-(a write in the same timestamp tick would otherwise go unseen: git's "racily clean" entries).
-
-Where: ``$DSV4_LORA_CACHE``, else ``$XDG_CACHE_HOME/dsv4-lora``, else ``~/.cache/dsv4-lora``; ``DSV4_LORA_CACHE=off``
-turns it off. A cache that cannot be read or written is passed over: it saves time and is never required. Its
-entries are as trustworthy as the directory holding them (anyone who can write there can plant a digest).
-"""
+A pinned base is hashed again by every adapter checked against it, so digests are reused, as git's index does,
+only while the file's identity is what it was when they were taken (:func:`tensor_digests`). The cache is never
+required: one that cannot be read or written is passed over. Its entries are as trustworthy as the directory
+holding them (:func:`cache_root`)."""
 
 from __future__ import annotations
 
@@ -34,7 +27,12 @@ MAX_ENTRIES = 4096
 
 
 def cache_root() -> Path | None:
-    """The cache directory in use, or None when ``DSV4_LORA_CACHE=off``."""
+    """The cache directory in use, or None when ``DSV4_LORA_CACHE=off``.
+
+    ``$DSV4_LORA_CACHE``, else ``$XDG_CACHE_HOME/dsv4-lora``, else ``~/.cache/dsv4-lora``. A cache that cannot be
+    read or written is passed over: it saves time and is never required. Its entries are as trustworthy as the
+    directory holding them (anyone who can write there can plant a digest).
+    """
     env = os.environ.get("DSV4_LORA_CACHE")
     if env == "off":
         return None
@@ -109,7 +107,15 @@ def remembered_digests(ckpt_dir: Path, headers: Mapping[str, Header]) -> dict[st
 
 def tensor_digests(ckpt_dir: Path, headers: Mapping[str, Header]) -> dict[str, str]:
     """name -> sha256 (hex) of each tensor's stored bytes: remembered ones where the shard is unchanged, the rest
-    hashed (several at once: hashlib and file reads release the GIL) and remembered when safe to."""
+    hashed (several at once: hashlib and file reads release the GIL) and remembered when safe to.
+
+    A base is pinned and read many times: every adapter checked against it hashes the same targeted bytes. As git's
+    index does, a shard's digests are reused only while the file's identity is what it was when they were taken:
+    device, inode, size, and mtime and ctime in nanoseconds (ctime cannot be set back by a user: every write,
+    ``utime`` or rename moves it). Digests of a file whose mtime or ctime is within :data:`RACY_MARGIN_S` of the
+    moment it is hashed, or whose identity changes while it is hashed, are never stored (a write in the same
+    timestamp tick would otherwise go unseen: git's "racily clean" entries).
+    """
     root = cache_root()
     by_file = _by_file(ckpt_dir, headers)
     before = {file: _identity(file.stat()) for file in by_file}

@@ -1,11 +1,7 @@
 """Hardware gates for DeepSeek-V4 fused-kernel defaults (Megatron-Bridge #4338 / #4445 behaviour, described in
-``docs/reference/megatron_bridge.md``).
-
-Fused mHC and fused DSA kernels exist only for Blackwell (CUDA capability major >= 10). Without
-CUDA the answer is False (0.5.0 returned True there, which made CPU and H100 runs pick kernels they
-cannot execute). The DSA kernels also need their packages (cuDNN's ``DSA``, FlashMLA's sparse forward): a
-Blackwell host without them must not default to kernels it cannot import (#4445 checks the same imports).
-"""
+``docs/reference/megatron_bridge.md``). Fused mHC and fused DSA kernels exist only for Blackwell, CUDA capability
+major >= 10. Without CUDA the answer must be False, or CPU and H100 runs pick kernels they cannot execute. A Blackwell
+host without the DSA kernels' packages must not default to kernels it cannot import (#4445 checks the same imports)."""
 
 from __future__ import annotations
 
@@ -30,7 +26,10 @@ def _capability_major() -> int | None:
 
 
 def deepseek_v4_supports_blackwell_fused_kernels() -> bool:
-    """True only with CUDA capability major >= 10; False without CUDA."""
+    """True only with CUDA capability major >= 10; False without CUDA.
+
+    Megatron-Bridge 0.5.0 returned True without CUDA, which made CPU and H100 runs pick kernels they cannot execute.
+    """
     major = _capability_major()
     return major is not None and major >= BLACKWELL_MAJOR
 
@@ -50,7 +49,9 @@ def _dsa_kernels_importable() -> bool:
 
 
 def deepseek_v4_supports_fused_dsa_kernels() -> bool:
-    """The DSA (indexer/sparse attention) fused kernels: the Blackwell gate, and their packages importable."""
+    """The DSA (indexer/sparse attention) fused kernels: the Blackwell gate, and their packages importable.
+
+    The packages are cuDNN's ``DSA`` and FlashMLA's sparse forward (:data:`DSA_KERNEL_IMPORTS`)."""
     return deepseek_v4_supports_blackwell_fused_kernels() and _dsa_kernels_importable()
 
 

@@ -1,11 +1,9 @@
 """safetensors headers read as plain JSON, and one tensor's bytes streamed from disk: no torch, no mapping.
 
-A full-size base (Flash: ~69k tensors, ~160 GB) is judged by its headers alone (names, shapes, dtypes, byte
-ranges); the few tensors whose bytes matter (the fingerprint's) are streamed in fixed chunks, so memory stays
-flat whatever the tensor's size; or only a sample of 64 pages spread from a tensor's first byte to its last
-(:func:`tensor_sample_sha256`, a base's first ``verify-adapter``). ``verify-adapter`` and ``coverage`` read bases
-through this module only.
-"""
+A full-size base is judged by its headers alone: names, shapes, dtypes, byte ranges. The few tensors whose bytes
+matter, the fingerprint's, are streamed in fixed chunks so memory stays flat, or only a sample of pages is read
+(:func:`tensor_sample_sha256`; docs/fingerprint.md). ``verify-adapter`` and ``coverage`` read bases through this
+module only."""
 
 from __future__ import annotations
 

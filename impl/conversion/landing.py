@@ -1,19 +1,9 @@
 """Where Megatron-Bridge's mapping puts each checkpoint tensor inside a native parameter, learned from Bridge itself.
 
-The strict load hands each checkpoint tensor to the row's Megatron-Bridge mapping (``hf_to_megatron``) and copies
-the result into the parameter. For a quantized weight on a rank without tensor parallelism that costs a
-full-size dequantized tensor, Bridge's concatenation of gate and up (a fresh allocation) and the copy: more work
-than the dequantization itself (docs/performance.md). Where Bridge only *places* the tensors (returns its input, or
-concatenates inputs), the loader can instead dequantize straight into the parameter at the places Bridge would
-have put them. Those places are never assumed: :func:`landing_views` asks the mapping, once per table row, module
-class, parameter and input shapes, with a probe whose every element holds its own index, and returns views of the
-parameter only when the result proves each input lands whole, in order, in one contiguous span. Anything else
-(tensor parallelism, transposes, casts, padding, a Bridge version that lays things out differently) returns None
-and the load takes Bridge's path as before.
-
-Only for ranks whose mapping has tensor-parallel size 1: there Bridge's mappings communicate with no one, so the
-probe, run on any rank at any point of its plan, can never meet a collective.
-"""
+Where Bridge only places tensors, the loader can dequantize straight into the parameter and skip Bridge's copies
+(docs/performance.md). Those places are never assumed: :func:`landing_views` asks the mapping with a probe and
+returns None, so the load takes Bridge's path, unless each input provably lands whole, in order, in one span.
+Only for ranks whose mapping has tensor-parallel size 1: there the probe can never meet a collective."""
 
 from __future__ import annotations
 
@@ -41,7 +31,17 @@ def landing_views(
     input key -> shape; the key ``""`` for a mapping that takes one tensor), or None when Bridge does more than
     place them. What a row's mapping does can depend on the module (``AutoMapping`` reads its class), the
     parameter (its device: ``ReplicatedMapping`` moves its input there) and the input shapes: all of them key the
-    probe."""
+    probe.
+
+    Why: the strict load hands each checkpoint tensor to the row's Bridge mapping (``hf_to_megatron``) and copies the
+    result into the parameter. For a quantized weight on a rank without tensor parallelism that costs a full-size
+    dequantized tensor, Bridge's concatenation of gate and up (a fresh allocation) and the copy: more work than the
+    dequantization itself. The probe runs once per table row, module class, parameter and input shapes; its every
+    element holds its own index, and views are returned only when the result proves each input lands whole, in
+    order, in one contiguous span. Anything else (tensor parallelism, transposes, casts, padding, a Bridge version
+    that lays things out differently) returns None. Only for tensor-parallel size 1: there Bridge's mappings
+    communicate with no one, so the probe, run on any rank at any point of its plan, can never meet a collective.
+    """
     if type(param.data) is not torch.Tensor or not param.is_contiguous():  # a DTensor shard, a strided view
         return None
     key = (row, type(mapping), type(module), param.device.type, param.dtype, param.shape, tuple(sorted(shapes.items())))

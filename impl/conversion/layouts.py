@@ -1,16 +1,9 @@
 """The on-disk layouts a DeepSeek-V4 base comes in, and the official name of every tensor of each.
 
-``official`` is the released checkpoint's naming (``embed.weight``, ``layers.N.attn.wq_a.weight``, ``mtp.K...``),
-the one :data:`impl.conversion.mapping_table` maps. ``transformers`` is what transformers' ``save_pretrained`` writes
-for a ``DeepseekV4ForCausalLM`` (every merged or re-saved model): its module names
-(``model.layers.N.self_attn.q_a_proj.weight``, ``model.layers.N.attn_hc.fn``), but ``head.weight`` and per-expert
-``model.layers.N.mlp.experts.E.w1.weight`` as the checkpoint had them, and no MTP (transformers' model has none).
-``transformers-checkpoint`` is what newer transformers (5.23, 5.24) writes instead: the checkpoint's own names under
-``model.`` (``model.layers.N.attn.wq_a.weight``), but ``model.embed_tokens.weight``, ``model.norm.weight``,
-``model.hc_head.hc_fn`` and ``model.layers.N.attn.norm.weight`` for the KV norm; ``head.weight``; no MTP.
-A name of the ``transformers`` layout is read back through :func:`impl.adapter.kinds.place_module` (the one table of what every
-module of a V4 base is, in every naming) plus the parameter leaves below, so no second name table exists.
-"""
+``official`` is the released checkpoint's naming, the one the mapping table maps; the two transformers layouts are
+what ``save_pretrained`` writes (:class:`BaseLayout`). A ``transformers`` name is read back through
+:func:`impl.adapter.kinds.place_module`, the one table of what every module of a V4 base is, plus the parameter
+leaves below, so no second name table exists."""
 
 from __future__ import annotations
 
@@ -18,10 +11,23 @@ import re
 from collections.abc import Iterable
 from enum import StrEnum
 
-from impl.adapter.kinds import place_module
+from impl.adapter.kinds import place_module  # up a floor: the one table of every V4 module's place
 
 
 class BaseLayout(StrEnum):
+    """A base's on-disk naming.
+
+    ``official`` is the released checkpoint's naming (``embed.weight``, ``layers.N.attn.wq_a.weight``,
+    ``mtp.K...``), the one :data:`impl.conversion.mapping_table` maps. ``transformers`` is what transformers'
+    ``save_pretrained`` writes for a ``DeepseekV4ForCausalLM`` (every merged or re-saved model): its module names
+    (``model.layers.N.self_attn.q_a_proj.weight``, ``model.layers.N.attn_hc.fn``), but ``head.weight`` and
+    per-expert ``model.layers.N.mlp.experts.E.w1.weight`` as the checkpoint had them, and no MTP (transformers'
+    model has none). ``transformers-checkpoint`` is what newer transformers (5.23, 5.24) writes instead: the
+    checkpoint's own names under ``model.`` (``model.layers.N.attn.wq_a.weight``), but ``model.embed_tokens.weight``,
+    ``model.norm.weight``, ``model.hc_head.hc_fn`` and ``model.layers.N.attn.norm.weight`` for the KV norm;
+    ``head.weight``; no MTP.
+    """
+
     OFFICIAL = "official"
     TRANSFORMERS = "transformers"
     TRANSFORMERS_CHECKPOINT = "transformers-checkpoint"

@@ -1,16 +1,9 @@
 """Name resolution over :data:`impl.conversion.mapping_table.MAPPING_TABLE`, in both native layouts.
 
-One generated lookup per direction and layout: official <-> Miles (:func:`lookup_official`,
-:func:`lookup_native`, the graph :mod:`impl.native` builds) and official <-> upstream Megatron-Core ``dsv4_hybrid``
-(:func:`lookup_official_upstream`, :func:`lookup_upstream`, the names Megatron-Bridge's DeepSeekV4Bridge maps onto).
-:data:`NATIVE_LAYOUTS` names the pairs. The table itself (rows, semantics, groups) lives in
-:mod:`impl.conversion.mapping_table` and is re-exported here.
-
-Name resolution is a dict lookup on a normalized key (every all-digit segment -> ``*``), so it is
-exactly-once by construction: the table refuses duplicate patterns, literal digit segments and
-``*`` inside a segment, which are the only ways two rows could claim one name. The one exception is the upstream
-grouped-expert weight (``linear_fc1.weight<E>``), checked pattern against pattern at import.
-"""
+One generated lookup per direction and layout: official <-> Miles (:func:`lookup_official`, :func:`lookup_native`)
+and official <-> upstream Megatron-Core ``dsv4_hybrid`` (:func:`lookup_official_upstream`, :func:`lookup_upstream`);
+:data:`NATIVE_LAYOUTS` names the pairs, and the table is re-exported here. Every name resolves to exactly one row by
+construction; :func:`check_mapping_table` refuses what could break that, at import."""
 
 from __future__ import annotations
 
@@ -126,7 +119,12 @@ _OFFICIAL_INDEX, _NATIVE_INDEX = _build_index(MAPPING_TABLE)
 def check_mapping_table(table: Iterable[MappingRow]) -> None:
     """Raise :class:`MappingTableError` unless every official and native name is claimed by at most one row of
     ``table`` (no duplicate pattern, no literal index segment, ``*`` only as a whole inner segment) and every row's
-    semantics, group and wildcards agree. The module's own table passes this check at import."""
+    semantics, group and wildcards agree. The module's own table passes this check at import.
+
+    Name resolution is a lookup on a normalized key (every all-digit segment -> ``*``), so it is exactly-once by
+    construction: duplicate patterns, literal digit segments and ``*`` inside a segment are the only ways two rows
+    could claim one name. The one exception is the upstream grouped-expert weight (``linear_fc1.weight<E>``,
+    :data:`GROUPED_WEIGHT`), checked pattern against pattern at import."""
     _build_index(table)
     _build_index(table, "upstream")
 

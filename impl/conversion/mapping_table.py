@@ -264,7 +264,7 @@ def _cfg(config: Any) -> Any:
     """Accept a native ``V4Config``, a transformers config or a ``config.json`` dict."""
     if hasattr(config, "compress_ratios") and hasattr(config, "num_hash_layers"):
         return config
-    from impl.native.config import V4Config
+    from impl.native.config import V4Config  # up a floor: the one reading of a V4 config (plain Python)
 
     if isinstance(config, Mapping):
         facts = ManifestFacts.from_published(config)

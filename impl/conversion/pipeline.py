@@ -1,17 +1,8 @@
 """Pipeline layouts for DeepSeek-V4 (the Megatron-Bridge #4306 behaviour, ``docs/reference/megatron_bridge.md``).
 
-A layout is one list of layer tokens per (virtual) pipeline stage, in Megatron-Core's vocabulary:
-``"embedding"``, ``"decoder"``, ``"mtp"``, ``"loss"``. Rules:
-
-| rule | why |
-|---|---|
-| ``embedding`` on the first stage, ``mtp`` and ``loss`` on the last | the MTP layer shares the embedding and head |
-| every hash-routed layer on the first stage | ``tid2eid`` routes by input ids, which only the first stage has |
-| decoders balanced, every stage non-empty | |
-
-The same resolved layout must drive load and export. A saved run configuration that lost the layout
-(``None``, or an object stub serialized instead of a list) is regenerated, never guessed.
-"""
+A layout is one list of Megatron-Core layer tokens per (virtual) pipeline stage; the rules a layout must keep are in
+:func:`validate_pipeline_layout`. The same resolved layout must drive load and export. A saved run configuration that
+lost the layout is regenerated, never guessed (:func:`resolve_pipeline_layout`)."""
 
 from __future__ import annotations
 
@@ -69,6 +60,18 @@ def generate_pipeline_layout(num_layers: int, stages: int, *, num_hash_layers: i
 
 
 def validate_pipeline_layout(layout: Layout, *, num_layers: int, num_hash_layers: int = 0, mtp_layers: int = 0) -> None:
+    """Raise :class:`PipelineLayoutError` naming every rule ``layout`` breaks.
+
+    Tokens are Megatron-Core's: ``"embedding"``, ``"decoder"``, ``"mtp"``, ``"loss"``. Rules:
+
+    | rule | why |
+    |---|---|
+    | ``embedding`` on the first stage, ``mtp`` and ``loss`` on the last | the MTP layer shares the embedding and head |
+    | every hash-routed layer on the first stage | ``tid2eid`` routes by input ids, which only the first stage has |
+    | decoders balanced, every stage non-empty | |
+
+    Balance is what :func:`generate_pipeline_layout` produces; this check asks only for a decoder on every stage.
+    """
     problems = []
     flat = [t for stage in layout for t in stage]
     if unknown := sorted({t for t in flat if t not in TOKENS}):

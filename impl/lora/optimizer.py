@@ -1,15 +1,8 @@
 """Adam on the LoRA adapters with fp32 master weights and fp32 gradients, on any device.
 
-What Megatron does for bf16 training (``Float16OptimizerWithFloat16Params`` behind ``get_megatron_optimizer`` with
-``OptimizerConfig(bf16=True)``): the model's parameters are bf16, DDP reduces their gradients into fp32
-``main_grad`` buffers (``grad_reduce_in_fp32``), the optimizer steps fp32 master copies and writes them back to
-the bf16 parameters. Megatron-Core 0.19's optimizers allocate their bookkeeping on ``'cuda'`` unconditionally, so
-this class does the same on any device with ``torch.optim.AdamW``. fp32 parameters are their own masters.
-
-Gradient clipping uses the global norm: squares of every rank's adapter gradients summed over the model-parallel
-group (TP x PP), counting a TP-replicated tensor once, as Megatron's ``get_grad_norm_fp32``; a per-rank norm would
-scale the replicas of ``wq_a`` / ``wkv`` differently on different TP ranks and let them drift apart.
-"""
+It does what Megatron's bf16 optimizer does, which allocates its bookkeeping on ``'cuda'`` unconditionally, with
+``torch.optim.AdamW`` on any device (:class:`AdapterOptimizer`). Gradient clipping must use the global norm over the
+model-parallel group, counting a TP-replicated tensor once, or the TP replicas of ``wq_a`` / ``wkv`` drift apart."""
 
 from __future__ import annotations
 
@@ -47,6 +40,16 @@ class AdapterOptimizer:
 
     Call ``zero_grad()`` (and the DDP chunk's ``zero_grad_buffer()``) before each backward, ``finish_grad_sync()``
     after it, then ``step()``. Gradients are read from ``main_grad`` when DDP keeps one, else from ``.grad``.
+
+    What Megatron does for bf16 training (``Float16OptimizerWithFloat16Params`` behind ``get_megatron_optimizer``
+    with ``OptimizerConfig(bf16=True)``): the model's parameters are bf16, DDP reduces their gradients into fp32
+    ``main_grad`` buffers (``grad_reduce_in_fp32``), the optimizer steps fp32 master copies and writes them back to
+    the bf16 parameters. Megatron-Core 0.19's optimizers allocate their bookkeeping on ``'cuda'`` unconditionally,
+    so this class does the same on any device. fp32 parameters are their own masters.
+
+    Gradient clipping uses the global norm: squares of every rank's adapter gradients summed over the model-parallel
+    group (TP x PP), counting a TP-replicated tensor once, as Megatron's ``get_grad_norm_fp32``; a per-rank norm
+    would scale the replicas of ``wq_a`` / ``wkv`` differently on different TP ranks and let them drift apart.
     """
 
     def __init__(

@@ -1,13 +1,9 @@
 """Load an exported DeepSeek-V4 adapter with HF PEFT so that the grouped ``o_a_proj`` works unmerged too.
 
-transformers' ``DeepseekV4GroupedLinear`` (``self_attn.o_a_proj``) is an ``nn.Linear`` of weight ``[G*R, H*D/G]``
-whose forward applies rows ``g*R .. (g+1)*R`` to input group ``g`` only. Stock PEFT wraps it with its dense LoRA
-``Linear``, whose unmerged forward adds ``lora_B(lora_A(x))`` (``[.., G, G*R]``) to every group's output
-(``[.., G, R]``) and fails. ``merge_and_unload`` is right, because ``W + (alpha/r) B@A`` has the weight's shape;
-:class:`GroupedLoraLinear` makes the unmerged forward right as well by adding only the diagonal blocks: group
-``g`` gets ``(alpha/r) * B_g @ A @ x_g`` with ``B_g`` the rows of group ``g``, the same function the native grouped
-LoRA computes (:func:`impl.lora.wrappers.apply_grouped_wo_a`). No megatron import: this is the consumer side.
-"""
+Stock PEFT wraps transformers' ``DeepseekV4GroupedLinear`` with its dense LoRA ``Linear``, whose unmerged forward fails
+on the grouped shapes; ``merge_and_unload`` is right. :class:`GroupedLoraLinear` makes the unmerged forward right too,
+computing the same function as the native grouped LoRA (:func:`impl.lora.wrappers.apply_grouped_wo_a`).
+No megatron import: this is the consumer side."""
 
 from __future__ import annotations
 
@@ -28,7 +24,14 @@ __all__ = [
 
 
 class GroupedLoraLinear(PeftLoraLinear):
-    """PEFT LoRA layer for ``DeepseekV4GroupedLinear``: block-diagonal unmerged forward; merge is PEFT's own."""
+    """PEFT LoRA layer for ``DeepseekV4GroupedLinear``: block-diagonal unmerged forward; merge is PEFT's own.
+
+    transformers' ``DeepseekV4GroupedLinear`` (``self_attn.o_a_proj``) is an ``nn.Linear`` of weight
+    ``[G*R, H*D/G]`` whose forward applies rows ``g*R .. (g+1)*R`` to input group ``g`` only. Stock PEFT's dense
+    unmerged forward adds ``lora_B(lora_A(x))`` (``[.., G, G*R]``) to every group's output (``[.., G, R]``) and
+    fails. ``merge_and_unload`` is right, because ``W + (alpha/r) B@A`` has the weight's shape; this layer adds only
+    the diagonal blocks: group ``g`` gets ``(alpha/r) * B_g @ A @ x_g`` with ``B_g`` the rows of group ``g``.
+    """
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if kwargs.get("adapter_names") is not None:

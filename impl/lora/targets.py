@@ -1,13 +1,9 @@
 """LoRA target qualification for the native DeepSeek-V4 graph.
 
-The native attention owns a main ``wq_b`` and ``wkv`` *and* nested modules whose leaves collide with them
-(``indexer.linear_wq_b``; ``compressor.wkv`` and ``indexer.compressor.wkv``: a row's ``also_nested_as`` in
-:mod:`impl.vocabulary`). Megatron-Bridge's ``ModuleMatcher`` accepts a module when its leaf
-``name == pattern`` or when the anchored wildcard ``pattern`` matches its full dotted name, so a bare ``wkv``
-would also wrap both compressors. Every accepted name of the target table is therefore rewritten to
-``*.self_attention.<native path>``, which reaches exactly one module per attention block; the nested modules
-are reached only when named explicitly.
-"""
+Nested attention modules share leaves with the main ``wq_b`` and ``wkv`` (a row's ``also_nested_as`` in
+:mod:`impl.vocabulary`), and Megatron-Bridge's ``ModuleMatcher`` would wrap them too for a bare name. So every name of
+the target table is rewritten to ``*.self_attention.<native path>``, which reaches exactly one module per attention
+block; nested modules are reached only when named explicitly (:func:`qualify_targets`)."""
 
 from __future__ import annotations
 
@@ -97,6 +93,12 @@ def qualify_targets(targets, *, module_names: Iterable[str] | None = None, table
     Order is preserved, the rewrite is idempotent, a ``str`` stays a ``str`` and a falsy value is returned as-is.
     With ``module_names`` every entry must match a module (Bridge's rule), else :class:`TargetError` lists all
     unmatched entries and the valid names. ``table``: the target vocabulary (default :data:`TARGET_TABLE`).
+
+    Why: the native attention owns a main ``wq_b`` and ``wkv`` *and* nested modules whose leaves collide with them
+    (``indexer.linear_wq_b``; ``compressor.wkv`` and ``indexer.compressor.wkv``). Megatron-Bridge's
+    ``ModuleMatcher`` accepts a module when its leaf ``name == pattern`` or when the anchored wildcard ``pattern``
+    matches its full dotted name (:func:`bridge_pattern_matches`), so a bare ``wkv`` would also wrap both
+    compressors.
     """
     return _qualify(targets, module_names, table, kind="target")
 

@@ -1,12 +1,7 @@
 """One adapter training step on this rank's model chunk: the step ``qualify``, the cluster recipe's run and the
-suites' end-to-end checks share.
-
-The chunk may be wrapped in Megatron's DDP: its backward hooks accumulate gradients into ``main_grad`` and
-``finish_grad_sync`` all-reduces them over the data-parallel group; the optimizer reads ``.grad``, so ``.grad`` is
-pointed at ``main_grad`` (what Megatron's own optimizer does). Gradient clipping uses the norm of the whole model's
-trainable gradients: squares summed over the model-parallel group (tensor and pipeline ranks), counting a tensor
-that every tensor-parallel rank holds in full once, so every rank scales by the same factor.
-"""
+suites' end-to-end checks share. Under Megatron's DDP ``.grad`` is pointed at ``main_grad``, as Megatron's own
+optimizer does (:func:`adapter_train_step`). Gradient clipping uses the whole model's norm, so every rank scales by
+the same factor (:func:`clip_grad_norm`)."""
 
 from __future__ import annotations
 
@@ -32,7 +27,11 @@ __all__ = [
 
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> float:
     """Scale the gradients of ``params`` (this rank's share of the model) so the model's total L2 norm is at most
-    ``max_norm``; returns the norm before clipping, the same on every rank."""
+    ``max_norm``; returns the norm before clipping, the same on every rank.
+
+    The norm is of the whole model's trainable gradients: squares summed over the model-parallel group (tensor and
+    pipeline ranks), counting a tensor that every tensor-parallel rank holds in full once, so every rank scales by
+    the same factor."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float32, device=device)
@@ -65,6 +64,10 @@ def adapter_train_step(
     ``ids`` is the micro-batch ``[batch, seq]`` (the same on every rank of a pipeline); ``labels`` default to the
     next token (``ids`` rolled left by one). The loss is the mean per-token loss of the last pipeline stage, which
     is back-propagated through every stage. Returns that loss on every rank.
+
+    The chunk may be wrapped in Megatron's DDP: its backward hooks accumulate gradients into ``main_grad`` and
+    ``finish_grad_sync`` all-reduces them over the data-parallel group; the optimizer reads ``.grad``, so ``.grad``
+    is pointed at ``main_grad`` (what Megatron's own optimizer does).
     """
     if len(model_chunks) != 1:
         raise UnsupportedConfigError(

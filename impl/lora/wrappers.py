@@ -1,17 +1,8 @@
 """LoRA on the native DeepSeek-V4 graph with Megatron-Bridge's real ``LoRA`` transform.
 
-Three things Megatron-Bridge 0.6.2 does not do for this graph, and how they are added here:
-
-* **Replicated linears** (``wq_a``, ``wkv``, indexer and compressor projections) are plain modules, not TE
-  ``TELinear``; ``get_adapter_attributes_from_linear`` raises for them. :class:`DeepseekV4LoRA` gives them the
-  adapter Bridge gives a duplicated ``TELinear``: ``ParallelLinearAdapter(base_linear_is_parallel=False)``.
-* **Grouped ``wo_a``** (``docs/reference/v4_architecture.md`` §8.3): the base is a ``ColumnParallelLinear`` used
-  block-diagonally per group.
-  The adapter keeps PEFT's flattened shapes (``A [r, H*D/G]``, ``B [G*R, r]``); :func:`apply_grouped_wo_a`
-  adds ``(B@A)_g`` only to group ``g``. Its dense ``forward`` refuses to run (:class:`GroupedLoRALinear`).
-* **Exclusions**: Bridge asserts ``exclude_modules`` is empty whenever ``target_modules`` is set, so
-  exclusions are subtracted here and Bridge receives the exact (regex-escaped) full names that remain.
-"""
+Megatron-Bridge does not handle three things of this graph, added here: replicated linears, the grouped ``wo_a``,
+which only :func:`apply_grouped_wo_a` may run, and exclusions next to ``target_modules``. Each is described on
+:class:`DeepseekV4LoRA`."""
 
 from __future__ import annotations
 
@@ -198,6 +189,18 @@ class DeepseekV4LoRA(LoRA):
 
     Matched modules that are not linears (norms, whole attention blocks hit by a broad wildcard) are left alone
     so that ``*.layers.0.*`` means "every linear of layer 0".
+
+    Three things Megatron-Bridge 0.6.2 does not do for this graph, and how they are added here:
+
+    * **Replicated linears** (``wq_a``, ``wkv``, indexer and compressor projections) are plain modules, not TE
+      ``TELinear``; ``get_adapter_attributes_from_linear`` raises for them. They get the adapter Bridge gives a
+      duplicated ``TELinear``: ``ParallelLinearAdapter(base_linear_is_parallel=False)``.
+    * **Grouped ``wo_a``** (``docs/reference/v4_architecture.md`` §8.3): the base is a ``ColumnParallelLinear`` used
+      block-diagonally per group. The adapter keeps PEFT's flattened shapes (``A [r, H*D/G]``, ``B [G*R, r]``);
+      :func:`apply_grouped_wo_a` adds ``(B@A)_g`` only to group ``g``. Its dense ``forward`` refuses to run
+      (:class:`GroupedLoRALinear`).
+    * **Exclusions**: Bridge asserts ``exclude_modules`` is empty whenever ``target_modules`` is set, so
+      exclusions are subtracted here and Bridge receives the exact (regex-escaped) full names that remain.
     """
 
     def transform(self, module: nn.Module, name: str | None = None, prefix: str | None = None) -> nn.Module:

@@ -1,21 +1,8 @@
 """How the native graph keeps its activations: attention by query blocks above a length, and recompute.
 
-:class:`ActivationPlan` carries Megatron's recompute options (``recompute_granularity`` / ``recompute_method`` /
-``recompute_num_layers`` / ``recompute_modules``, the names of ``TransformerConfig``) and the attention's
-memory-efficient path; the provider hands one plan to every native layer.
-
-* ``granularity=None``: nothing is recomputed.
-* ``"full"``: whole decoder layers are checkpointed (only their input streams are kept). ``method="uniform"``
-  checkpoints groups of ``num_layers`` consecutive layers; ``"block"`` checkpoints the first ``num_layers``
-  layers of the stage one by one and keeps the rest.
-* ``"selective"``: only the named parts recompute: ``core_attn`` (softmax attention, per query block), ``mhc``
-  (the hyper-connection pre-mix with its fp32 stream norm), ``moe_act`` (each expert's activation and down
-  projection).
-
-Above ``attention_chunk_threshold`` tokens the attention runs over query blocks of ``attention_query_block``:
-each block sees only its sliding-window band of raw keys plus the compressed entries (the masked-out keys
-contribute exactly nothing), so the ``[B, H, S, S + W]`` score tensor never exists.
-"""
+:class:`ActivationPlan` carries Megatron's recompute options, under ``TransformerConfig``'s names, and the attention's
+memory-efficient path; the provider hands one plan to every native layer. Blocked attention gives exactly the
+unblocked result, because the masked-out keys contribute nothing; it only avoids the full score tensor."""
 
 from __future__ import annotations
 
@@ -39,6 +26,22 @@ SELECTIVE_MODULES = ("core_attn", "mhc", "moe_act")
 
 @dataclass(frozen=True)
 class ActivationPlan:
+    """Megatron's recompute options (``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers`` /
+    ``recompute_modules``) and the attention's memory-efficient path.
+
+    * ``granularity=None``: nothing is recomputed.
+    * ``"full"``: whole decoder layers are checkpointed (only their input streams are kept). ``method="uniform"``
+      checkpoints groups of ``num_layers`` consecutive layers; ``"block"`` checkpoints the first ``num_layers``
+      layers of the stage one by one and keeps the rest.
+    * ``"selective"``: only the named parts recompute: ``core_attn`` (softmax attention, per query block), ``mhc``
+      (the hyper-connection pre-mix with its fp32 stream norm), ``moe_act`` (each expert's activation and down
+      projection).
+
+    Above ``attention_chunk_threshold`` tokens the attention runs over query blocks of ``attention_query_block``:
+    each block sees only its sliding-window band of raw keys plus the compressed entries (the masked-out keys
+    contribute exactly nothing), so the ``[B, H, S, S + W]`` score tensor never exists.
+    """
+
     recompute_granularity: str | None = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1

@@ -1,17 +1,8 @@
 """Native DeepSeek-V4 attention on Megatron-Core (prefill, no KV cache; ``docs/reference/v4_architecture.md`` §5.3).
 
-Shared-KV MQA (one KV head, K == V) over a causal sliding window of raw tokens plus, on compressed layers,
-the compressor's entries (HCA: every visible entry; CSA: the indexer's top-k). A per-head learned sink joins
-only the softmax denominator. The value side carries RoPE, so the output's rope slice gets the conjugate
-rotation at the query position before the grouped low-rank output projection (``wo_a`` per head group, then
-``wo_b``). Forward semantics and op order are those of transformers' ``DeepseekV4Attention``.
-
-Tensor parallelism: heads and ``wo_a`` groups (contiguous head blocks) are split over TP ranks; ``wq_b`` and
-``wo_a`` are ``ColumnParallelLinear``, ``wo_b`` is ``RowParallelLinear`` (it all-reduces); ``attn_sink`` is the
-rank's head slice. Everything before the heads (``wq_a``, ``wkv``, the compressor, the indexer) is replicated;
-the shared KV enters the head-local region through ``copy_to_tensor_model_parallel_region`` so its gradient is
-summed over ranks.
-"""
+Its forward semantics and op order are those of transformers' ``DeepseekV4Attention``, which it must keep matching.
+Heads and ``wo_a`` groups are split over TP ranks; everything before the heads is replicated, and the shared KV's
+gradient is summed over ranks. The attention itself and its TP layout: :class:`DeepseekV4Attention`."""
 
 from __future__ import annotations
 
@@ -100,7 +91,20 @@ def _check_layout(config: V4Config, layer_number: int, ratio: int, tp_size: int)
 
 
 class DeepseekV4Attention(MegatronModule):
-    """V4 attention for decoder layer ``layer_number`` (0-based). ``compress_ratio`` overrides the config's."""
+    """V4 attention for decoder layer ``layer_number`` (0-based). ``compress_ratio`` overrides the config's.
+
+    Shared-KV MQA (one KV head, K == V) over a causal sliding window of raw tokens plus, on compressed layers,
+    the compressor's entries (HCA: every visible entry; CSA: the indexer's top-k). A per-head learned sink joins
+    only the softmax denominator. The value side carries RoPE, so the output's rope slice gets the conjugate
+    rotation at the query position before the grouped low-rank output projection (``wo_a`` per head group, then
+    ``wo_b``). Forward semantics and op order are those of transformers' ``DeepseekV4Attention``.
+
+    Tensor parallelism: heads and ``wo_a`` groups (contiguous head blocks) are split over TP ranks; ``wq_b`` and
+    ``wo_a`` are ``ColumnParallelLinear``, ``wo_b`` is ``RowParallelLinear`` (it all-reduces); ``attn_sink`` is the
+    rank's head slice. Everything before the heads (``wq_a``, ``wkv``, the compressor, the indexer) is replicated;
+    the shared KV enters the head-local region through ``copy_to_tensor_model_parallel_region`` so its gradient is
+    summed over ranks.
+    """
 
     def __init__(
         self,

@@ -1,11 +1,8 @@
 """KV compressor of the compressed-attention layers (``docs/reference/v4_architecture.md`` §5.4).
 
-Every closed window of ``ratio`` tokens becomes one entry: a per-channel softmax-gated sum over the window's
-slots, RMS-normalized, with the compress RoPE at position ``w * ratio``. With overlap (ratio 4, CSA) each
-token projects two series ``[Ca | Cb]`` and entry ``w`` pools window ``w-1``'s Ca with window ``w``'s Cb
-over ``2 * ratio`` slots (window 0's Ca half is zero-kv / -inf-gate). Prefill only: the incomplete tail
-window is dropped. Op order follows transformers' ``DeepseekV4{HCA,CSA}Compressor``.
-"""
+Every closed window of ``ratio`` tokens becomes one entry; with overlap, on CSA layers, an entry pools two windows
+(:class:`Compressor`). Prefill only: the incomplete tail window is dropped. Op order follows transformers'
+``DeepseekV4{HCA,CSA}Compressor``."""
 
 from __future__ import annotations
 
@@ -19,7 +16,15 @@ __all__ = ["Compressor"]
 
 
 class Compressor(nn.Module):
-    """Replicated compressor: params ``ape [ratio, c*head_dim]`` (fp32), ``wkv``/``wgate`` ``[c*head_dim, d]``, ``norm``."""
+    """Replicated compressor: params ``ape [ratio, c*head_dim]`` (fp32), ``wkv``/``wgate`` ``[c*head_dim, d]``,
+    ``norm``.
+
+    Every closed window of ``ratio`` tokens becomes one entry: a per-channel softmax-gated sum over the window's
+    slots, RMS-normalized, with the compress RoPE at position ``w * ratio``. With overlap (ratio 4, CSA) each token
+    projects two series ``[Ca | Cb]`` and entry ``w`` pools window ``w-1``'s Ca with window ``w``'s Cb over
+    ``2 * ratio`` slots (window 0's Ca half is zero-kv / -inf-gate). Prefill only: the incomplete tail window is
+    dropped.
+    """
 
     def __init__(
         self,

@@ -1,13 +1,9 @@
 """Manifold-constrained hyper-connections (mHC), ``docs/reference/v4_architecture.md`` §5.2.
 
-The residual is ``hc_mult`` parallel streams ``X [B, S, n, d]``. Before each sub-block :func:`hc_pre` turns
-``X`` into the block input (``pre``-weighted sum of the streams) plus the ``post`` placement weights and the
-Sinkhorn-projected stream mixer ``comb``; after it :func:`hc_post` writes ``post * f + comb^T @ X``. All mixing
-math is fp32, op for op as transformers' ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead``.
-
-The parameters live on the owning module under the official-style names ``hc_{site}_{fn,base,scale}``
-(:func:`register_hc_params`); the final collapse owns ``hc_head_{fn,base,scale}`` (:class:`HyperHead`).
-"""
+The residual is ``hc_mult`` parallel streams ``X [B, S, n, d]``: :func:`hc_pre` turns ``X`` into a sub-block's input
+and :func:`hc_post` writes the output back. All mixing math is fp32, op for op as transformers'
+``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead``. Parameters are named ``hc_{site}_{fn,base,scale}``
+(:func:`register_hc_params`); the final collapse owns ``hc_head_{fn,base,scale}`` (:class:`HyperHead`)."""
 
 from __future__ import annotations
 
@@ -44,7 +40,11 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(post [B,S,n] fp32, comb [B,S,n,n] fp32, collapsed [B,S,d] in x.dtype)`` for streams ``x [B,S,n,d]``."""
+    """``(post [B,S,n] fp32, comb [B,S,n,n] fp32, collapsed [B,S,d] in x.dtype)`` for streams ``x [B,S,n,d]``.
+
+    The block input is the ``pre``-weighted sum of the streams; ``post`` holds the placement weights and ``comb`` the
+    Sinkhorn-projected stream mixer, which :func:`hc_post` uses to write ``post * f + comb^T @ X`` after the block.
+    """
     n = hc_mult
     mix = F.linear(_flat_rms(x, norm_eps), fn.float())
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)

@@ -1,11 +1,9 @@
 """Lightning indexer of the CSA layers (``docs/reference/v4_architecture.md`` §5.5).
 
-Scores every compressed entry for every query, ``score[t, w] = sum_h wI[t, h] * relu(qI[t, h] . K_w) / sqrt(ID)``
-with ``wI = weights_proj(x) / sqrt(IH)``, hides entries a query may not see yet (``w >= (pos + 1) // 4``) and
-returns the top ``min(index_topk, #entries)`` entry indices per query, ``-1`` where a pick is not visible.
-Op order (and therefore ``topk``'s tie handling) follows transformers' ``DeepseekV4Indexer`` /
-``DeepseekV4IndexerScorer``. The indices are integers: no gradient reaches the indexer through attention.
-"""
+It scores every compressed entry for every query, hides entries a query may not see yet and returns the top-k entry
+indices per query (:class:`Indexer`). Op order, and therefore ``topk``'s tie handling, follows transformers'
+``DeepseekV4Indexer`` / ``DeepseekV4IndexerScorer``. The indices are integers: no gradient reaches the indexer
+through attention."""
 
 from __future__ import annotations
 
@@ -22,7 +20,13 @@ __all__ = ["INDEXER_RATIO", "Indexer"]
 
 
 class Indexer(nn.Module):
-    """Replicated indexer: ``linear_wq_b [IH*ID, Q]``, ``linear_weights_proj [IH, d]``, ``compressor`` (ratio 4, overlap)."""
+    """Replicated indexer: ``linear_wq_b [IH*ID, Q]``, ``linear_weights_proj [IH, d]``, ``compressor`` (ratio 4,
+    overlap).
+
+    Scores every compressed entry for every query, ``score[t, w] = sum_h wI[t, h] * relu(qI[t, h] . K_w) / sqrt(ID)``
+    with ``wI = weights_proj(x) / sqrt(IH)``, hides entries a query may not see yet (``w >= (pos + 1) // 4``) and
+    returns the top ``min(index_topk, #entries)`` entry indices per query, ``-1`` where a pick is not visible.
+    """
 
     def __init__(
         self, cfg: V4Config, *, params_dtype: torch.dtype = torch.float32, init_std: float | None = None

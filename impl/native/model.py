@@ -1,13 +1,8 @@
 """The native DeepSeek-V4 model on Megatron-Core.
 
-Computation: ``docs/reference/v4_architecture.md`` §5.1; parameter names: ``docs/DESIGN.md``.
-
-``embedding.word_embeddings`` (vocab split over TP) -> ``hc_mult`` identical streams -> ``decoder.layers`` ->
-``decoder.hc_head_params`` (stream collapse) -> ``decoder.final_layernorm`` -> ``output_layer`` (vocab split over
-TP). A pipeline stage builds a subset of the layers (``layer_numbers``), keeping their global numbers in the
-parameter names; a stage without ``pre_process`` takes the previous stage's stream tensor via
-:meth:`DeepseekV4NativeModel.set_input_tensor`.
-"""
+Computation: ``docs/reference/v4_architecture.md`` §5.1; parameter names: ``docs/DESIGN.md``. A pipeline stage builds
+a subset of the layers and keeps their global numbers in the parameter names. The module order and how stages hand
+on their streams: :class:`DeepseekV4NativeModel`."""
 
 from __future__ import annotations
 
@@ -124,6 +119,12 @@ class DeepseekV4NativeModel(MegatronModule):
     ``forward(input_ids [B,S], position_ids=None, *, labels=None)`` returns full-vocabulary fp32 logits
     ``[B, S, V]`` or, with ``labels``, the per-token cross-entropy ``[B, S]``; a stage without
     ``post_process`` returns its stream tensor ``[B, S, hc_mult, d]``.
+
+    ``embedding.word_embeddings`` (vocab split over TP) -> ``hc_mult`` identical streams -> ``decoder.layers`` ->
+    ``decoder.hc_head_params`` (stream collapse) -> ``decoder.final_layernorm`` -> ``output_layer`` (vocab split
+    over TP). A pipeline stage builds a subset of the layers (``layer_numbers``), keeping their global numbers in
+    the parameter names; a stage without ``pre_process`` takes the previous stage's stream tensor via
+    :meth:`set_input_tensor`.
     """
 
     def __init__(

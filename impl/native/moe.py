@@ -1,18 +1,8 @@
 """DeepSeek-V4 mixture of experts on Megatron-Core process groups (``docs/reference/v4_architecture.md`` §5.8).
 
-Routing (replicated, per rank, on that rank's own tokens): ``s = sqrt(softplus(x @ W^T))`` in fp32; the
-selection is ``topk(s + expert_bias)`` on score-routed layers or the static ``tid2eid[input_ids]`` on hash
-layers; the weights are ``s`` gathered at the selection, normalized, times ``routed_scaling_factor``.
-Experts and the shared expert are clamped SwiGLU MLPs (``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``).
-
-Expert parallelism: each rank of Megatron's expert-model-parallel group owns ``E / ep`` contiguous experts.
-Tokens, routing weights and selections are all-gathered over that group, each rank applies its local experts
-to every gathered token, and the partial outputs are reduce-scattered back (Megatron's autograd-aware
-sequence-parallel mappings, so the backward is the matching reduce-scatter / all-gather). Under TP the ranks of
-a TP group hold the same tokens; with EP > 1 each TP rank first keeps only its 1/tp share of the tokens (and
-all-gathers the result afterwards) so no token reaches an expert twice. Routing runs on all tokens on every
-rank (replicated router, full gradient). With EP = 1 the experts are replicated and see every token.
-"""
+The router is replicated and runs on all tokens on every rank, so it gets the full gradient (:class:`V4Router`).
+Experts and the shared expert are clamped SwiGLU MLPs. Under expert parallelism each rank owns ``E / ep`` contiguous
+experts and no token reaches an expert twice (:class:`V4MoE`); with EP = 1 the experts are replicated."""
 
 from __future__ import annotations
 
@@ -106,7 +96,12 @@ class V4Expert(nn.Module):
 
 
 class V4Router(nn.Module):
-    """``weight [E, d]``; ``expert_bias`` fp32 buffer [E] (score routing) or ``tid2eid`` int64 buffer [V, k] (hash)."""
+    """``weight [E, d]``; ``expert_bias`` fp32 buffer [E] (score routing) or ``tid2eid`` int64 buffer [V, k] (hash).
+
+    Routing (replicated, per rank, on that rank's own tokens): ``s = sqrt(softplus(x @ W^T))`` in fp32; the
+    selection is ``topk(s + expert_bias)`` on score-routed layers or the static ``tid2eid[input_ids]`` on hash
+    layers; the weights are ``s`` gathered at the selection, normalized, times ``routed_scaling_factor``.
+    """
 
     def __init__(self, config: V4Config, *, hash_routed: bool, params_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -207,7 +202,16 @@ class V4Experts(nn.Module):
 
 
 class V4MoE(nn.Module):
-    """``router``, ``experts`` (EP-local) and ``shared_experts``; ``forward(x [B,S,d], input_ids) -> [B,S,d]``."""
+    """``router``, ``experts`` (EP-local) and ``shared_experts``; ``forward(x [B,S,d], input_ids) -> [B,S,d]``.
+
+    Expert parallelism: each rank of Megatron's expert-model-parallel group owns ``E / ep`` contiguous experts.
+    Tokens, routing weights and selections are all-gathered over that group, each rank applies its local experts
+    to every gathered token, and the partial outputs are reduce-scattered back (Megatron's autograd-aware
+    sequence-parallel mappings, so the backward is the matching reduce-scatter / all-gather). Under TP the ranks of
+    a TP group hold the same tokens; with EP > 1 each TP rank first keeps only its 1/tp share of the tokens (and
+    all-gathers the result afterwards) so no token reaches an expert twice. Routing runs on all tokens on every
+    rank (replicated router, full gradient). With EP = 1 the experts are replicated and see every token.
+    """
 
     def __init__(
         self,

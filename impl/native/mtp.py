@@ -3,8 +3,7 @@
 Input: the main model's final stream tensor ``X [B, S, n, d]`` (before ``hc_head``) and the next-token ids.
 ``X0 = e_proj(enorm(embed(ids)))`` broadcast over the streams ``+ h_proj(hnorm(X))``, one decoder layer
 (sliding-window attention, score-routed MoE), then its own ``hc_head`` and ``final_layernorm``; the embedding
-and the output head are the main model's (passed in). transformers has no MTP, so there is no oracle.
-"""
+and the output head are the main model's (passed in). transformers has no MTP, so there is no oracle."""
 
 from __future__ import annotations
 

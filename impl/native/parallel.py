@@ -1,15 +1,8 @@
 """Megatron-Core parallel-layer plumbing shared by the native V4 modules.
 
-Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` read a ``ModelParallelConfig``; the native
-modules read :class:`~impl.native.config.V4Config`. :func:`megatron_parallel_config` bridges the two (no fused
-kernels, no sequence parallelism; rope fusion as :func:`impl.native.rope.decide_rope_fusion` decides).
-
-Placement is decided once, by :func:`cpu_initialization`: on a CUDA host the config asks for GPU initialization,
-so Megatron's parallel layers allocate on ``torch.cuda.current_device()`` and Megatron-Bridge's ``get_model`` moves
-the rest of each chunk there (it reads ``use_cpu_initialization`` from the *model's* config, never the provider's).
-Without CUDA, or while building under ``torch.device("meta")`` (the memory model), the CPU-initialization path is
-used: it is the one that honours the ambient default device.
-"""
+Megatron's parallel linears read a ``ModelParallelConfig`` and the native modules a
+:class:`~impl.native.config.V4Config`; :func:`megatron_parallel_config` bridges the two, with no fused kernels and no
+sequence parallelism. Placement is decided once, by :func:`cpu_initialization`."""
 
 from __future__ import annotations
 
@@ -56,7 +49,14 @@ def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGr
 
 
 def cpu_initialization() -> bool:
-    """True when parameters are to be created on the CPU: no CUDA, or an ambient ``torch.device("meta")``."""
+    """True when parameters are to be created on the CPU: no CUDA, or an ambient ``torch.device("meta")``.
+
+    On a CUDA host the config asks for GPU initialization, so Megatron's parallel layers allocate on
+    ``torch.cuda.current_device()`` and Megatron-Bridge's ``get_model`` moves the rest of each chunk there (it reads
+    ``use_cpu_initialization`` from the *model's* config, never the provider's). Without CUDA, or while building
+    under ``torch.device("meta")`` (the memory model), the CPU-initialization path is used: it is the one that
+    honours the ambient default device.
+    """
     return not torch.cuda.is_available() or torch.empty(0).device.type == "meta"
 
 

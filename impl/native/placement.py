@@ -1,11 +1,9 @@
 """Device placement: where this rank's tensors must live, and an audit that names every tensor living elsewhere.
 
-On a CUDA host every parameter, buffer, DDP gradient / parameter buffer, ``main_grad``, optimizer state and input
-of a rank lives on ``cuda:LOCAL_RANK`` (the current device torchrun's ranks select); on a CPU host on the CPU.
-A tensor on the wrong device is not always an error at once (gloo accepts CPU tensors, ``copy_`` crosses devices),
-so :func:`audit_devices` walks all of them and lists each misplaced one, and :func:`require_devices` raises
-:class:`DevicePlacementError` with that list.
-"""
+On a CUDA host every parameter, buffer, DDP gradient / parameter buffer, ``main_grad``, optimizer state and input of a
+rank lives on ``cuda:LOCAL_RANK``, the device torchrun's ranks select; on a CPU host on the CPU. A misplaced tensor is
+not always an error at once (gloo accepts CPU tensors, ``copy_`` crosses devices), so :func:`audit_devices` lists each
+one and :func:`require_devices` raises :class:`DevicePlacementError` with that list."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The native DeepSeek-V4 provider: builds model chunks for a TP / EP / PP (/ virtual PP) layout.
 
-V4 is never routed through Megatron-Bridge's AutoBridge provider selection: the HF config is checked
-with :func:`impl.conversion.detect.require_deepseek_v4_config`, the layout is validated before anything is
-built, and Megatron-Bridge's own ``provide_distributed_model`` then runs the pre-wrap hooks (PEFT)
-on the bare chunks **before** DDP wrapping, so DDP's gradient buffers hold exactly the parameters
-the hooks left trainable.
-"""
+V4 is never routed through Megatron-Bridge's AutoBridge provider selection: the HF config is checked with
+:func:`impl.conversion.detect.require_deepseek_v4_config` and the layout validated before anything is built. Bridge's
+own ``provide_distributed_model`` then runs the pre-wrap hooks (PEFT) on the bare chunks **before** DDP wrapping, so
+DDP's gradient buffers hold exactly the parameters the hooks left trainable."""
 
 from __future__ import annotations
 

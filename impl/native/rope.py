@@ -1,15 +1,8 @@
 """DeepSeek-V4 rotary embedding: interleaved pairs on the LAST ``rope_head_dim`` channels of a head.
 
-Ratio-0 (sliding-only and MTP) layers use ``rope_theta`` without YaRN; compressed layers (ratio > 0) use
-``compress_rope_theta`` with YaRN for q/kv, the compressor and the indexer alike, and no attention-scale
-(mscale) correction. The rotary width is always ``rope_head_dim`` (``qk_rope_head_dim``), never a
-``rotary_percent`` of the head dim. Op order follows transformers' ``DeepseekV4RotaryEmbedding`` /
-``apply_rotary_pos_emb`` so fp32 results agree bit for bit.
-
-Rope fusion (Megatron's ``apply_rope_fusion``, on in upstream's V4 SFT recipes since #4305) is asked for by the
-recipe and decided by :func:`decide_rope_fusion`: the native graph runs this PyTorch rope and names why
-(:data:`ROPE_FUSION_FALLBACKS`) whenever fusion was asked for.
-"""
+Op order follows transformers' ``DeepseekV4RotaryEmbedding`` / ``apply_rotary_pos_emb`` so fp32 results agree bit for
+bit. Which theta and YaRN each layer uses: :func:`rope_inv_freq`. Rope fusion is asked for by the recipe and decided
+by :func:`decide_rope_fusion`: the native graph runs this PyTorch rope and names why whenever fusion was asked for."""
 
 from __future__ import annotations
 
@@ -78,7 +71,11 @@ class RopeFusion:
 
 
 def decide_rope_fusion(requested: bool) -> RopeFusion:
-    """The native graph's answer to ``apply_rope_fusion=requested`` on this host (warns when it falls back)."""
+    """The native graph's answer to ``apply_rope_fusion=requested`` on this host (warns when it falls back).
+
+    Megatron's ``apply_rope_fusion`` is on in upstream's V4 SFT recipes since #4305; the native graph runs the
+    PyTorch rope and names why (:data:`ROPE_FUSION_FALLBACKS`) whenever fusion was asked for.
+    """
     decision = _rope_fusion(requested)
     if decision.fallback is not None:
         warnings.warn(
@@ -101,7 +98,13 @@ def _rope_fusion(requested: bool) -> RopeFusion:
 
 
 def rope_inv_freq(cfg: V4Config, *, compressed: bool, device: torch.device | None = None) -> torch.Tensor:
-    """fp32 inverse frequencies ``[rope_head_dim // 2]`` (one per interleaved pair)."""
+    """fp32 inverse frequencies ``[rope_head_dim // 2]`` (one per interleaved pair).
+
+    Ratio-0 (sliding-only and MTP) layers use ``rope_theta`` without YaRN; compressed layers (ratio > 0) use
+    ``compress_rope_theta`` with YaRN for q/kv, the compressor and the indexer alike, and no attention-scale
+    (mscale) correction. The rotary width is always ``rope_head_dim`` (``qk_rope_head_dim``), never a
+    ``rotary_percent`` of the head dim.
+    """
     dim = cfg.rope_head_dim
     base = cfg.compress_rope_theta if compressed else cfg.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim

@@ -3,8 +3,7 @@ of its gradient backward, and the last stage's output broadcast to every stage.
 
 Enough for ``qualify``, the cluster recipe's smoke run and the suites' multi-rank checks (one model chunk per rank,
 one micro-batch in flight). It is not a training schedule: no 1F1B, no interleaving, no communication overlap; use
-Megatron-Core's schedules for real training. With PP = 1 every method is a plain call on the chunk.
-"""
+Megatron-Core's schedules for real training. With PP = 1 every method is a plain call on the chunk."""
 
 from __future__ import annotations
 

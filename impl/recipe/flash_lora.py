@@ -1,16 +1,9 @@
 """A LoRA recipe for DeepSeek-V4-Flash on 4 nodes x 8 GPUs, and its tiny twin that runs on 2 CPU ranks.
 
-Megatron-Bridge 0.6.2 ships DeepSeek-V4-Flash SFT recipes (``deepseek_v4_flash_sft_32gpu_h100_bf16_config``:
-TP=1, PP=4, EP=8, alltoall dispatcher, selective recompute ``moe_act``/``mhc``, Adam, bf16) but no LoRA/PEFT recipe.
-:func:`deepseek_v4_flash_lora_recipe` keeps the SFT parallel layout and adds the LoRA settings.
-:func:`tiny_variant` keeps every structural choice (targets, rank/alpha, generated pipeline layout with hash
-layers on stage 0 and MTP + loss last, optimizer, hardware gate) and shrinks the model to a tiny preset on
-2 ranks, so :func:`to_qualify_args` drives the same recipe through ``dsv4-lora qualify`` on a CPU host.
-The model shapes (:data:`FLASH_SHAPE`, :data:`PRO_SHAPE`, :data:`TINY_MODELS`) are data, in ``model_shapes.toml``
-beside this module.
-
-Importing this module does not import megatron (the launch scripts build recipes cheaply).
-"""
+Megatron-Bridge ships Flash SFT recipes but no LoRA one: :func:`deepseek_v4_flash_lora_recipe` keeps the SFT parallel
+layout and adds LoRA. :func:`tiny_variant` keeps every structural choice on a tiny model, so :func:`to_qualify_args`
+drives the same recipe through ``dsv4-lora qualify`` on a CPU host. Model shapes are data in ``model_shapes.toml``.
+Importing this module must not import megatron: the launch scripts build recipes cheaply."""
 
 from __future__ import annotations
 
@@ -305,6 +298,11 @@ def deepseek_v4_flash_lora_recipe(
 
     The fused-kernel defaults are read from this host's GPU now (True on Blackwell, False elsewhere);
     the base checkpoint path comes from ``$DSV4_FLASH_CHECKPOINT``.
+
+    Megatron-Bridge 0.6.2 ships DeepSeek-V4-Flash SFT recipes (``deepseek_v4_flash_sft_32gpu_h100_bf16_config``:
+    TP=1, PP=4, EP=8, alltoall dispatcher, selective recompute ``moe_act``/``mhc``, Adam, bf16) but no LoRA/PEFT
+    recipe; this one keeps the SFT parallel layout and adds the LoRA settings. The model shapes
+    (:data:`FLASH_SHAPE`, :data:`PRO_SHAPE`, :data:`TINY_MODELS`) are data, in ``model_shapes.toml``.
     """
     if min(tp, pp, ep, vpp or 1) < 1:
         raise UnsupportedConfigError(f"parallel sizes must be >= 1, got TP={tp} PP={pp} EP={ep} VPP={vpp}")

@@ -1,18 +1,9 @@
 """Per-rank memory of a DeepSeek-V4 LoRA recipe: weights measured on the meta device, activations by formula.
 
-Weights: each pipeline stage is built on ``torch.device("meta")`` (no memory) at TP = EP = 1 with the recipe's
-LoRA applied, then every tensor is charged to a rank: routed-expert tensors / EP, TP-split tensors / TP. Frozen
-base tensors cost their bytes only; each adapter element costs its bf16 value + fp32 ``main_grad`` + fp32 master
-+ Adam's two fp32 moments (2 + 4 + 4 + 8 = 18 bytes; 16 in an fp32 build, whose parameters are their own masters).
-
-Activations: :func:`layer_activation_bytes` is an analytic model of what autograd keeps for backward in one
-decoder layer of the native graph (frozen base, LoRA on the attention projections), written op by op from
-``impl/native`` (docs/memory_model.md lists every term); ``suites/reference/test_memory_model.py`` checks it against the
-saved-tensor bytes measured on tiny models. A stage keeps the activations of ``min(PP - stage, micro-batches)``
-micro-batches under a 1F1B schedule; full recompute keeps only each checkpointed group's input streams, plus, while
-a group is recomputed in backward, that group's activations and their gradients (counted as twice the largest
-layer's). ``OVERHEAD_BYTES`` stands for the CUDA context, NCCL buffers and allocator slack.
-"""
+Weights come from building each stage on the meta device (:func:`stage_weight_bytes`); activations from an analytic
+model of what autograd keeps in one native decoder layer (:func:`layer_activation_bytes`; docs/memory_model.md lists
+every term), checked against measured saved-tensor bytes by ``suites/reference/test_memory_model.py``. Pipeline and
+recompute accounting: :func:`recipe_memory`."""
 
 from __future__ import annotations
 
@@ -31,6 +22,7 @@ __all__ = [
 ]
 
 GB = 1e9
+#: the CUDA context, NCCL buffers and allocator slack
 OVERHEAD_BYTES = int(4 * GB)
 ADAPTER_BYTES_PER_ELEMENT = {2: 2 + 4 + 4 + 8, 4: 4 + 4 + 8}
 FP32 = 4
@@ -200,7 +192,13 @@ class StageWeights:
 def stage_weight_bytes(
     hf_config: Any, *, stage_tokens: list[str], layer_numbers: list[int], tp: int, ep: int, dtype: Any, lora: dict
 ) -> StageWeights:
-    """Build one stage on the meta device and charge its tensors to a rank (experts / EP, TP-split / TP)."""
+    """Build one stage on the meta device and charge its tensors to a rank (experts / EP, TP-split / TP).
+
+    The stage is built on ``torch.device("meta")`` (no memory) at TP = EP = 1 with the recipe's LoRA applied, then
+    every tensor is charged to a rank: routed-expert tensors / EP, TP-split tensors / TP. Frozen base tensors cost
+    their bytes only; each adapter element costs its bf16 value + fp32 ``main_grad`` + fp32 master + Adam's two fp32
+    moments (2 + 4 + 4 + 8 = 18 bytes; 16 in an fp32 build, whose parameters are their own masters).
+    """
     import torch
 
     from impl.lora.wrappers import apply_lora
@@ -265,7 +263,13 @@ def recipe_memory(hf_config: Any, recipe: Any) -> list[StageMemory]:
 
     Builds each stage's native graph with its LoRA on this process, so Megatron parallel state must be initialized
     (world size 1 is enough: the rows scale by the recipe's TP and EP themselves); Megatron-Bridge 0.4's LoRA reads
-    the TP size from it."""
+    the TP size from it.
+
+    Weights: :func:`stage_weight_bytes`. Activations: :func:`layer_activation_bytes`, written op by op from
+    ``impl/native``. A stage keeps the activations of ``min(PP - stage, micro-batches)`` micro-batches under a 1F1B
+    schedule; full recompute keeps only each checkpointed group's input streams, plus, while a group is recomputed in
+    backward, that group's activations and their gradients (counted as twice the largest layer's).
+    :data:`OVERHEAD_BYTES` stands for the CUDA context, NCCL buffers and allocator slack."""
     import torch
 
     from impl.conversion.pipeline import stage_layer_numbers
