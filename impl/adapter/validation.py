@@ -135,7 +135,12 @@ class AdapterDir:
     @cached_property
     def marker(self) -> dict[str, Any] | None:
         file = self.path / COMPLETE_MARKER
-        return json.loads(file.read_text()) if file.is_file() else None
+        if not file.is_file():
+            return None
+        doc = json.loads(file.read_text())
+        if not isinstance(doc, dict):  # a `null` marker is present, not absent: it certifies nothing
+            raise ValueError(f"a JSON {type(doc).__name__}, expected an object")
+        return doc
 
 
 def _files(a: AdapterDir) -> Iterator[str]:
@@ -487,7 +492,10 @@ def _fingerprint_figure(a: AdapterDir) -> str:
 
 
 def _marker_figure(a: AdapterDir) -> str:
-    return f"certifies {len(a.marker['files'])} files" if a.marker else "no .complete (see provenance)"
+    try:
+        return f"certifies {len(a.marker['files'])} files" if a.marker else "no .complete (see provenance)"
+    except (ValueError, KeyError, TypeError):
+        return "unreadable .complete"
 
 
 #: THE list: validate_adapter_dir and verify-adapter both run these, in this order.
