@@ -4,6 +4,7 @@ against the tests that can reach it; then write docs/mutation_campaign.md.
 
     .venv/bin/python scripts/mutation_campaign.py [--module lora/targets.py ...] [--write]
     .venv/bin/python scripts/mutation_campaign.py --sample 2      # CI: a few random mutants, the machinery alive
+    .venv/bin/python scripts/mutation_campaign.py --report        # the report from the sessions, nothing run
 
 Per module: copy ``impl/`` as ``impl_mutant`` (never the tree), let cosmic-ray list every mutation of the copy's
 module into a session database (out/mutation-campaign/<module>.sqlite, resumable: a rerun continues where it
@@ -157,7 +158,16 @@ def main(argv: list[str] | None = None) -> int:
         "--rerun-survivors", action="store_true", help="run the survivors again (after adding the tests that kill them)"
     )
     parser.add_argument("--write", action="store_true", help=f"write {REPORT.relative_to(REPO_ROOT)} afterwards")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help=f"only write {REPORT.relative_to(REPO_ROOT)} from the sessions; run nothing",
+    )
     args = parser.parse_args(argv)
+    if args.report:  # other campaigns may be running on the shared copies: touch neither copies nor sessions
+        write_report(MODULES, _session)
+        print(f"mutation_campaign: wrote {REPORT.relative_to(REPO_ROOT)}", file=sys.stderr)
+        return 0
     chosen = [m for m in MODULES if not args.module or m.path in args.module]
     unknown = sorted(set(args.module or ()) - {m.path for m in MODULES})
     if unknown:

@@ -1,5 +1,6 @@
-"""The implementation's modules import one another without a circle, counting every import (a function's lazy one
-too): a reader can follow any name down to where it is defined, and no module needs another half-initialised.
+"""The implementation's modules import one another without a circle and downwards, counting every import (a
+function's lazy one too): a reader can follow any name down to where it is defined, no module needs another
+half-initialised, and an import that runs up a floor says why where it happens (``# up a floor: <why>``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,21 @@ pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "impl"
 
+#: The floors of ``impl``, lowest first: a module imports from its own floor or below. The names everything
+#: shares sit at the bottom; the base graph knows no adapter; what assembles the graph, the adapters and Bridge
+#: (the conversion bridge) sits above them; what a user runs sits on top.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("impl.errors", "impl.data_tables", "impl.vocabulary", "impl.compat"),
+    ("impl.conversion",),
+    ("impl.native",),
+    ("impl.lora",),
+    ("impl.adapter",),
+    ("impl.bridge",),
+    ("impl.recipe",),
+    ("impl.cli",),
+)
+UP_REASON = "# up a floor:"
+
 
 def _modules() -> dict[str, Path]:
     out = {}
@@ -23,16 +39,18 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _import_nodes(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node, [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            yield node, [a.name for a in node.names]
+
+
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     """The package's modules ``path`` imports anywhere in its body (``from a import b`` counts ``a.b`` when that
     is a module). The facade (``import impl``) is left out: it imports nothing at its own import."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+    found = {name for _, names in _import_nodes(path) for name in names}
     return {m for m in found if m in modules and m != PACKAGE}
 
 
@@ -87,3 +105,71 @@ def test_no_module_of_the_implementation_imports_itself_round_a_circle():
     assert sum(map(len, graph.values())) > len(modules), "the import graph is implausibly sparse"
     circles = _cycles(graph)
     assert not circles, "modules that import one another round a circle: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def floor(module: str) -> int:
+    """The floor of ``module`` (its room's)."""
+    for level, rooms in enumerate(FLOORS):
+        if any(module == room or module.startswith(room + ".") for room in rooms):
+            return level
+    raise KeyError(module)
+
+
+def imports_up(path: Path, module: str, modules: dict[str, Path]) -> list[str]:
+    """``path``'s imports of a module on a higher floor that do not say why on their line or the line above."""
+    lines = path.read_text().splitlines()
+    found = []
+    for node, names in _import_nodes(path):
+        said = any(UP_REASON in lines[n - 1] for n in (node.lineno - 1, node.lineno) if n >= 1)
+        for name in names:
+            if name in modules and name != PACKAGE and floor(name) > floor(module) and not said:
+                found.append(f"{module} (line {node.lineno}) -> {name}")
+    return found
+
+
+def test_every_module_of_the_implementation_has_a_floor():
+    rooms = {name for name in _modules() if name != PACKAGE}
+    missing = []
+    for name in sorted(rooms):
+        try:
+            floor(name)
+        except KeyError:
+            missing.append(name)
+    assert not missing, f"modules on no floor (add their room to FLOORS): {missing}"
+
+
+def test_an_import_up_a_floor_is_found_unless_it_says_why(tmp_path):
+    low, high = f"{PACKAGE}.conversion.a", f"{PACKAGE}.adapter.b"
+    modules = {low: tmp_path / "a.py", high: tmp_path / "b.py"}
+    modules[low].write_text(f"from {high} import x\n")
+    assert imports_up(modules[low], low, modules) == [f"{low} (line 1) -> {high}"]
+    modules[low].write_text(f"{UP_REASON} the reason\nfrom {high} import x\n")
+    assert imports_up(modules[low], low, modules) == []
+
+
+def test_no_module_imports_up_a_floor_without_saying_why():
+    modules = _modules()
+    found = [line for name, path in modules.items() if name != PACKAGE for line in imports_up(path, name, modules)]
+    assert not found, f"imports that run up a floor (move the name down, or say why with {UP_REASON!r}):\n  " + (
+        "\n  ".join(found)
+    )
+
+
+def design_floors(text: str) -> list[tuple[str, ...]]:
+    """The rooms of each floor as ``docs/DESIGN.md``'s floor table lists them (`room/` or `module.py`)."""
+    rows = [
+        line.split("|") for line in text.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()
+    ]
+    out = []
+    for cells in rows:
+        names = [n.strip().strip("`") for n in cells[2].split(",")]
+        out.append(tuple(f"{PACKAGE}." + n.removesuffix("/").removesuffix(".py") for n in names))
+    return out
+
+
+def test_the_design_map_shows_the_floors_the_imports_keep():
+    documented = design_floors((ROOT / "docs" / "DESIGN.md").read_text())
+    assert documented == [tuple(rooms) for rooms in FLOORS], (
+        "docs/DESIGN.md's floor table and FLOORS disagree (rooms per floor, lowest first):\n"
+        f"  DESIGN.md: {documented}\n  FLOORS:    {list(FLOORS)}"
+    )

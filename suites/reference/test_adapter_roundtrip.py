@@ -166,3 +166,103 @@ def test_native_shards_with_ranks_missing_are_refused_and_nothing_is_written(imp
     assert status == 1 and "Traceback" not in said, said
     assert "NativeShardError" in said and "(0, 1)" in said, said
     assert not (tmp_path / "out").exists(), "a refused conversion left an output"
+
+
+def _pickled_peft_adapter(where: Path, value: float) -> Path:
+    """A PEFT adapter directory as older PEFT saved it: ``adapter_model.bin`` (a pickle) and its config."""
+    import json
+
+    where.mkdir(parents=True)
+    torch.save(
+        {"base_model.model.layers.0.attn.wq_a.lora_A.weight": torch.full((2, 3), value)}, where / "adapter_model.bin"
+    )
+    (where / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "peft_type": "LORA"}))
+    return where
+
+
+def test_a_conversion_replaces_an_earlier_one_whole_with_a_marker_certifying_every_file(impl, tmp_path, capfd):
+    """``convert-adapter`` publishes by the export's protocol: over an earlier conversion, the destination ends up
+    the new adapter alone, its ``.complete`` naming the sha256 of each file, and nothing is left beside it."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "published" / "out"  # the sources live elsewhere: snapshots cover the parent
+    for value in (1.0, 2.0):
+        src = _pickled_peft_adapter(tmp_path / f"src{value:g}", value)
+        status, said = _convert(impl, capfd, "--adapter", src, "--out", out)
+        assert status == 0, said
+    (tensor,) = load_file(out / "adapter_model.safetensors").values()
+    assert torch.equal(tensor, torch.full((2, 3), 2.0)), "the destination does not hold the last conversion"
+    marker = json.loads((out / impl.COMPLETE_MARKER).read_text())
+    files = sorted(p.name for p in out.iterdir() if p.name != impl.COMPLETE_MARKER)
+    assert files == ["adapter_config.json", "adapter_model.safetensors"], files
+    certified = {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in files}
+    assert marker["files"] == certified, f".complete certifies {marker['files']}, the files hash to {certified}"
+    # what the marker says besides: an adapter, in version 1 of the format, its naming dialect not recorded
+    assert marker == {"format": "dsv4-lora-adapter", "version": 1, "dialect": "unrecorded", "files": certified}, marker
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"], "the conversion left files beside it"
+
+
+@pytest.mark.parametrize("failing", ["publishing", "marking"])
+def test_a_conversion_failing_before_its_commit_leaves_the_earlier_adapter_exactly(
+    impl, tmp_path, capfd, monkeypatch, failing
+):
+    """A conversion that fails while it puts the new adapter in place (its rename into the destination, or its
+    ``.complete``) restores the earlier adapter byte for byte and leaves nothing beside it."""
+    import os
+
+    from fixtures.data.adapter_states import snapshot_tree
+
+    out = tmp_path / "published" / "out"  # the sources live elsewhere: snapshots cover the parent
+    status, said = _convert(impl, capfd, "--adapter", _pickled_peft_adapter(tmp_path / "src1", 1.0), "--out", out)
+    assert status == 0, said
+    before = snapshot_tree(out)
+    real_replace, failed = os.replace, []
+
+    def replace_failing_once(src, dst, *args, **kwargs):
+        hit = Path(dst) == out if failing == "publishing" else Path(dst).name == impl.COMPLETE_MARKER
+        if hit and not failed:
+            failed.append(dst)
+            raise OSError(f"disk full (injected, {failing})")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace_failing_once)
+    status, said = _convert(impl, capfd, "--adapter", _pickled_peft_adapter(tmp_path / "src2", 2.0), "--out", out)
+    monkeypatch.undo()
+    assert failed, f"the conversion never reached its {failing} step: the test proves nothing"
+    assert status != 0 and "disk full" in said, f"the failed conversion reported success: {said}"
+    assert snapshot_tree(out) == before, "a conversion failing before its commit changed the earlier adapter"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"], "the failed conversion left files beside it"
+
+
+def test_a_conversion_whose_cleanup_fails_after_its_commit_still_succeeds(impl, tmp_path, capfd, monkeypatch):
+    """Deleting the replaced adapter comes after the commit point: when it fails the conversion has still published
+    the new adapter and says so (exit 0), and the next conversion deletes the leftover."""
+    import os
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "published" / "out"
+    status, said = _convert(impl, capfd, "--adapter", _pickled_peft_adapter(tmp_path / "src1", 1.0), "--out", out)
+    assert status == 0, said
+    real_rmdir, refused = os.rmdir, []
+
+    def rmdir_refusing_the_replaced_adapter(path, *args, **kwargs):
+        if os.fsdecode(path).endswith(".dsv4-trash"):
+            refused.append(path)
+            raise OSError("device busy (injected)")
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", rmdir_refusing_the_replaced_adapter)
+    status, said = _convert(impl, capfd, "--adapter", _pickled_peft_adapter(tmp_path / "src2", 2.0), "--out", out)
+    monkeypatch.undo()
+    assert refused, "the conversion never deleted the adapter it replaced: the test proves nothing"
+    assert status == 0, f"a cleanup failure after the commit failed the conversion: {said}"
+    (tensor,) = load_file(out / "adapter_model.safetensors").values()
+    assert torch.equal(tensor, torch.full((2, 3), 2.0)), "the committed conversion is not in place"
+    assert (out / impl.COMPLETE_MARKER).is_file(), "the committed conversion has no .complete"
+    status, said = _convert(impl, capfd, "--adapter", _pickled_peft_adapter(tmp_path / "src3", 3.0), "--out", out)
+    assert status == 0, said
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"], "the next conversion did not clean up"

@@ -72,6 +72,16 @@ def test_full_size_manifest_is_complete_in_the_upstream_layout_too(impl, full_si
     assert by_name["layers.3.ffn.experts.9.w1.weight"] == "decoder.layers.3.mlp.experts.linear_fc1.weight9"
 
 
+def test_the_miles_layout_named_at_run_time_gives_each_official_tensor_its_one_miles_name(impl):
+    """The layout a user names (``coverage --layout miles``) is a string built at run time, equal to but not the same
+    object as any literal; the upstream layout splits a hyper-connection scale over three parameters, Miles does not."""
+    layout = "".join(["mil", "es"])  # as argparse hands --layout over
+    names = [s.name for s in manifest(get_preset("tiny-mixed"))]
+    by_name = {e.official: e.native for e in impl.coverage_report(names, layout=layout).entries}
+    for scale in ("hc_attn_scale", "hc_ffn_scale"):
+        assert by_name[f"layers.1.{scale}"] == f"decoder.layers.1.{scale}", by_name[f"layers.1.{scale}"]
+
+
 def test_an_unknown_layout_is_a_typed_error_naming_the_choices(impl):
     with pytest.raises(impl.UnsupportedConfigError, match="'miles', 'upstream'"):
         impl.coverage_report(["embed.weight"], layout="megatron")
@@ -88,6 +98,45 @@ def test_a_published_config_json_implies_exactly_its_manifest(impl, variant):
     implied = set(impl.coverage_report([], config=published_config(config)).missing)
     assert implied == weights, (
         f"{variant}: implied, not in the manifest: {sorted(implied - weights)[:5]}; "
+        f"in the manifest, not implied: {sorted(weights - implied)[:5]}"
+    )
+
+
+def test_a_published_config_json_without_mtp_layers_implies_its_manifest_without_mtp_tensors(impl):
+    """A base published without MTP layers leaves ``num_nextn_predict_layers`` out: it still states the schedule
+    outright, and implies no ``mtp.*`` tensor."""
+    from fixtures.data.sparse_checkpoint import published_config
+
+    config = get_preset("tiny-mixed")
+    published = published_config(config)
+    del published["num_nextn_predict_layers"]
+    weights = {s.name for s in manifest(config, with_scales=False) if not s.name.startswith("mtp.")}
+    implied = set(impl.coverage_report([], config=published).missing)
+    assert implied == weights, (
+        f"implied, not in the manifest: {sorted(implied - weights)[:5]}; "
+        f"in the manifest, not implied: {sorted(weights - implied)[:5]}"
+    )
+
+
+def test_the_native_config_a_model_is_built_from_implies_exactly_its_manifest(impl):
+    """Coverage takes the native ``V4Config`` too (what a caller already built its model from), as it is."""
+    config = get_preset("tiny-mixed")
+    weights = {s.name for s in manifest(config, with_scales=False)}
+    implied = set(impl.coverage_report([], config=impl.V4Config.from_hf(config)).missing)
+    assert implied == weights, (
+        f"implied, not in the manifest: {sorted(implied - weights)[:5]}; "
+        f"in the manifest, not implied: {sorted(weights - implied)[:5]}"
+    )
+
+
+def test_a_transformers_form_config_json_implies_exactly_its_manifest(impl):
+    """A ``config.json`` written by transformers states the schedule as ``layer_types`` / ``mlp_layer_types``, not
+    DeepSeek's published keys: it is folded through transformers, and implies the same manifest."""
+    config = get_preset("tiny-mixed")
+    weights = {s.name for s in manifest(config, with_scales=False)}
+    implied = set(impl.coverage_report([], config=config.to_dict()).missing)
+    assert implied == weights, (
+        f"implied, not in the manifest: {sorted(implied - weights)[:5]}; "
         f"in the manifest, not implied: {sorted(weights - implied)[:5]}"
     )
 

@@ -254,3 +254,152 @@ def test_a_rank_lost_after_the_commit_point_is_reported_and_the_committed_export
         if r.rank == cleaner:  # peers may look before the cleaning rank has deleted the old export
             assert c["leftovers"] == [], f"rank {r.rank}: sidecars left next to the destination: {c['leftovers']}"
     assert len({r.payload[0]["error"] for r in survivors}) == 1, "survivors raised different errors"
+
+
+#: a hung rank answers this long after its phase began: past its peers' deadline (the kill tests' exchange timeout)
+HANG_S = KILL_EXCHANGE_TIMEOUT_S + 1.5
+#: a slow rank answers this long after its phase began: far longer than the store's own polling interval, far inside
+#: the exchange timeout its peers wait with
+SLOW_S = 2.0
+
+
+@dataclass(frozen=True)
+class OutcomeCase:
+    impl: str
+    root: str
+
+
+def _failing_everywhere(phases, name: str, exc: BaseException):
+    """``phases`` with ``name`` failing on every rank with the same ``exc`` (after its real work)."""
+
+    def wrap(run):
+        def failing(ctx) -> None:
+            run(ctx)
+            raise exc
+
+        return failing
+
+    return tuple((n, wrap(run) if n == name else run) for n, run in phases)
+
+
+def _hanging_on(phases, name: str, rank: int, seconds: float = HANG_S):
+    """``phases`` with ``name`` doing its real work on ``rank`` and then not answering for ``seconds``."""
+    import torch.distributed as dist
+
+    def wrap(run):
+        def hanging(ctx) -> None:
+            run(ctx)
+            if dist.get_rank() == rank:
+                time.sleep(seconds)
+
+        return hanging
+
+    return tuple((n, wrap(run) if n == name else run) for n, run in phases)
+
+
+def _rank_export_outcomes(rank: int, world_size: int, case: OutcomeCase) -> dict[str, dict]:
+    """One two-rank group, one export after the other to the same destination; what each rank saw of each."""
+    import torch.distributed as dist
+
+    api = load_impl(case.impl, prepare=False)
+    dest = Path(case.root) / "adapter"
+    seen: dict[str, dict] = {}
+
+    def attempt(label: str, alpha: float, *, writer_rank: int = 0, **kwargs) -> None:
+        before = snapshot_tree(dest)
+        state = api.AdapterState(make_native_adapter(SHAPES, 2, 4, seed=1), r=4, alpha=alpha, targets=tuple(SHAPES))
+        error = returned = None
+        gather = lambda: state if rank == writer_rank else None  # noqa: E731  (the writer alone returns the state)
+        try:
+            returned = str(api.export_adapter(gather, dest, writer_rank=writer_rank, **kwargs))
+        except (api.CollectiveExportError, api.ExportError) as err:
+            error = f"{type(err).__name__}: {err}"
+        dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S + HANG_S))  # the group must still work
+        try:
+            alpha_now = api.validate_adapter_dir(dest)["config"]["lora_alpha"]
+        except Exception as err:  # judged by the test
+            alpha_now = f"{type(err).__name__}: {err}"
+        seen[label] = {
+            "error": error,
+            "returned": returned,
+            "unchanged": before == snapshot_tree(dest),
+            "alpha": alpha_now,
+            "leftovers": sorted(p.name for p in dest.parent.glob(f".{dest.name}.dsv4-*")),
+        }
+        dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
+
+    phases, quick = api.EXPORT_PHASES, {"timeout_s": EXCHANGE_TIMEOUT_S}
+    attempt("first", 1.0, **quick)
+    attempt("peer-fails", 2.0, phases=phases_with_fault(phases, "gather", 1, OSError("peer disk full")), **quick)
+    attempt("every-rank-fails", 3.0, phases=_failing_everywhere(phases, "serialize", ValueError("same")), **quick)
+    attempt("peer-fails-after-commit", 4.0, phases=phases_with_fault(phases, "commit", 1, OSError("late")), **quick)
+    attempt("writer-is-rank-1", 5.0, writer_rank=1, **quick)
+    attempt("writer-outside-the-world", 6.0, writer_rank=world_size, **quick)
+    attempt("peer-slow", 6.5, phases=_hanging_on(phases, "write", 1, SLOW_S), **quick)
+    hung = {"timeout_s": KILL_EXCHANGE_TIMEOUT_S}
+    attempt("peer-hangs", 7.0, phases=_hanging_on(phases, "gather", 1), **hung)
+    attempt("writer-hangs-after-commit", 8.0, phases=_hanging_on(phases, "commit", 0), **hung)
+    return seen
+
+
+def test_two_ranks_agree_on_every_outcome_of_an_export(impl, tmp_path: Path) -> None:
+    """One fast two-rank group through the exporter's outcomes: a success on either writer, a peer's failure, the
+    same failure on every rank, a peer failing after the commit point, a writer outside the world, a peer slower than
+    the others but within the deadline, and a rank that hangs past its peers' deadline before and after the commit
+    point. Every rank raises the same error naming each
+    failing rank, except where a hung rank cannot know what its peer saw; it then learns that a peer aborted."""
+    results = run_ranks(_rank_export_outcomes, OutcomeCase(impl.name, str(tmp_path)), nproc=2, timeout_s=120)
+    ranks = [r.payload for r in results]
+
+    def both(label: str) -> list[dict]:
+        return [seen[label] for seen in ranks]
+
+    def same_error(label: str) -> str:
+        errors = [c["error"] for c in both(label)]
+        assert errors[0] is not None and errors[0] == errors[1], f"{label}: the ranks raised {errors}"
+        return errors[0]
+
+    dest = str(tmp_path / "adapter")
+    for c in both("first"):
+        assert c["error"] is None and c["returned"] == dest and c["alpha"] == 1.0, f"first export: {c}"
+
+    said = same_error("peer-fails")
+    assert said.startswith("CollectiveExportError: ") and "failed in phase gather" in said, said
+    assert "rank 1: OSError: peer disk full" in said and "rank 0:" not in said, said
+    assert "Nothing was published and the destination is unchanged" in said, said
+    assert all(c["unchanged"] and c["leftovers"] == [] for c in both("peer-fails")), both("peer-fails")
+
+    said = same_error("every-rank-fails")
+    assert "rank 0: ValueError: same" in said and "rank 1: ValueError: same" in said, said
+    assert "failed in phase serialize" in said, said
+    assert all(c["unchanged"] for c in both("every-rank-fails")), both("every-rank-fails")
+
+    said = same_error("peer-fails-after-commit")
+    assert "rank 1: OSError: late" in said and "failed in phase commit" in said, said
+    assert "The new adapter WAS committed (rank 0 passed the commit point" in said, said
+    assert "Nothing was published" not in said, said
+    for c in both("peer-fails-after-commit"):
+        assert c["alpha"] == 4.0 and c["leftovers"] == [], f"the committed export does not stand alone: {c}"
+
+    for c in both("writer-is-rank-1"):
+        assert c["error"] is None and c["returned"] == dest and c["alpha"] == 5.0, f"writer_rank=1: {c}"
+
+    said = same_error("writer-outside-the-world")
+    assert said == "ExportError: writer_rank=2 is outside the world of 2 ranks", said
+    assert all(c["unchanged"] for c in both("writer-outside-the-world")), both("writer-outside-the-world")
+
+    waited, hung = (c["error"] or "" for c in both("peer-hangs"))
+    assert f"rank 1: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s in phase gather (dead or hung)" in waited, waited
+    assert "export aborted by a peer that timed out before phase gather" in hung, hung
+    assert all("Nothing was published" in e for e in (waited, hung)), (waited, hung)
+    assert all(c["unchanged"] for c in both("peer-hangs")), both("peer-hangs")
+
+    for c in both("peer-slow"):
+        assert c["error"] is None and c["alpha"] == 6.5, f"a peer slower than the others, within the deadline: {c}"
+
+    hung, waited = (c["error"] or "" for c in both("writer-hangs-after-commit"))
+    assert f"rank 0: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s in phase commit" in waited, waited
+    assert "stopped inside the commit" in waited and "never a mix" in waited, waited
+    assert "aborted by a peer that timed out before phase commit" in hung and "WAS committed" in hung, hung
+    for c in both("writer-hangs-after-commit"):
+        assert c["alpha"] == 8.0 and c["leftovers"] == [], f"the committed export does not stand alone: {c}"

@@ -59,8 +59,11 @@ def test_recover_export_dir_restores_the_export_a_killed_exporter_replaced(impl,
     before = snapshot_tree(out)
     _crash_after_publish(impl, out)
     assert snapshot_tree(out) != before, "the killed exporter changed nothing: the test proves nothing"
-    impl.recover_export_dir(out)
+    said = impl.recover_export_dir(out)
     assert snapshot_tree(out) == before, "recovery did not restore the export the killed one replaced"
+    assert "restored the previous destination" in said, f"recovery restored the export but says {said!r}"
+    again = impl.recover_export_dir(out)
+    assert again == "nothing to recover", f"a second recovery of a settled destination says {again!r}"
 
 
 def test_the_next_export_rolls_back_a_killed_one_before_publishing(impl, tmp_path):

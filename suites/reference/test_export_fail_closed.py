@@ -156,7 +156,30 @@ def _reorder_header(path) -> str:
     return "header"
 
 
-@pytest.mark.parametrize("tamper", [_flip_last_data_byte, _reorder_header], ids=["tensor-bytes", "header-bytes"])
+def _reorder_entry_keys(path) -> str:
+    """Rewrite each tensor's header entry with ``data_offsets`` first: the same header, the same length, in bytes
+    that sort before the ones written (where :func:`_reorder_header`'s sort after them), so a comparison that only
+    looked one way would miss one of the two."""
+    import json
+    import struct
+
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+        header = json.loads(raw)
+        moved = {k: v if k == "__metadata__" else {"data_offsets": v["data_offsets"], **v} for k, v in header.items()}
+        text = json.dumps(moved, separators=(",", ":"), ensure_ascii=False).encode()
+        assert len(text) <= n and text < raw, "the entries cannot be reordered in place into lower bytes"
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
+    return "header"
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [_flip_last_data_byte, _reorder_header, _reorder_entry_keys],
+    ids=["tensor-bytes", "header-bytes", "header-bytes-sorting-lower"],
+)
 def test_a_staged_file_that_differs_from_what_was_written_is_never_published(api, tmp_path, tamper) -> None:
     """The writer's output is re-read before publishing: a flipped bit in a tensor's data, or a header that says
     the same in other bytes (``.complete`` would certify a hash the file does not have), fails the export naming
@@ -258,3 +281,18 @@ def test_a_non_finite_value_past_the_first_chunk_is_refused_by_the_file_export(a
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [], "the refused export left files"
     big[-1, -1] = 1.0
     api.export_adapter(api.AdapterState(tensors, r=R, alpha=8.0), out)  # the same state, finite, exports
+
+
+def test_a_float64_adapter_is_published_and_a_nan_in_it_is_refused(api, tmp_path) -> None:
+    """float64, a dtype the export accepts beyond the ones whose exponent bits it reads directly, is published when
+    finite and refused, naming the tensor, when it holds a NaN."""
+    tensors = {k: v.to(torch.float64) for k, v in _good().items()}
+    out = tmp_path / "adapter"
+    api.export_adapter(api.AdapterState(tensors, r=R, alpha=8.0), out)
+    assert api.validate_adapter_dir(out)["config"]["lora_alpha"] == 8.0, "the float64 adapter was not published"
+    before = snapshot_tree(out)
+    tensors[B0] = tensors[B0].clone()
+    tensors[B0][-1, -1] = float("nan")
+    with pytest.raises(api.CollectiveExportError, match=B0.replace(".", r"\.") + r".*NaN/Inf"):
+        api.export_adapter(api.AdapterState(tensors, r=R, alpha=9.0), out)
+    assert snapshot_tree(out) == before, "a refused float64 adapter changed the destination"

@@ -3,7 +3,7 @@
 import itertools
 import re
 from collections import Counter
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 import torch
@@ -224,3 +224,41 @@ def test_an_index_written_in_another_scripts_digits_resolves_nowhere(impl, digit
     halves = {adapter: torch.zeros(4, 8), adapter.replace("linear_in", "linear_out"): torch.zeros(8, 4)}
     with pytest.raises(impl.ExportError, match=re.escape(adapter)):
         impl.publish_in_memory(impl.AdapterState(halves, r=4, alpha=8.0))
+
+
+def test_exactly_the_routed_expert_rows_are_per_expert(impl):
+    """Export gathers a row over the expert-parallel ranks (and renumbers its experts) exactly where the row is a
+    routed expert's; the shared expert and the router are whole on every rank."""
+    per_expert = {r.native for r in impl.MAPPING_TABLE if r.is_expert}
+    routed = {r.native for r in impl.MAPPING_TABLE if ".experts.local_experts.*." in r.native}
+    assert routed, "no routed-expert rows"
+    assert per_expert == routed, f"per expert, not routed: {per_expert - routed}; routed, not: {routed - per_expert}"
+
+
+def test_the_tables_rows_cannot_be_changed_in_place(impl):
+    """Every lookup, load and export reads this one table, through name indexes built from it at import: a row
+    edited in place would disagree with them, so a different row is a new row (``dataclasses.replace``)."""
+    row = impl.MAPPING_TABLE[0]
+    with pytest.raises(FrozenInstanceError):
+        row.native = "renamed"
+    assert impl.MAPPING_TABLE[0].native != "renamed"
+
+
+def test_each_rows_hf_param_is_the_one_its_megatron_bridge_mapping_holds(impl):
+    """A row states the Megatron-Bridge ``hf_param`` argument its mapping is built with: one official name, or the
+    ``{"gate": w1, "up": w3}`` pair of a gated row, wildcards still in place."""
+    mappings = impl.DeepseekV4ConversionBridge().mapping_registry().get_all_mappings()
+    for row, mapping in zip(impl.MAPPING_TABLE, mappings, strict=False):  # V4 rows first, then generic DeepSeek rows
+        assert mapping.megatron_param == row.native, f"mapping {mapping.megatron_param} out of table order"
+        assert row.hf_param() == mapping.hf_param, f"{row.native}: {row.hf_param()} != {mapping.hf_param}"
+
+
+def test_exactly_the_mtp_layers_rows_are_mtp_rows(impl):
+    """A row says it is the MTP layer's exactly where its official names are under ``mtp.*.`` (the MTP layer's
+    tensors in every published checkpoint)."""
+    mtp = {r.native for r in impl.MAPPING_TABLE if r.is_mtp}
+    official_mtp = {r.native for r in impl.MAPPING_TABLE if all(o.startswith("mtp.*.") for o in r.official_names)}
+    assert official_mtp, "no MTP rows"
+    assert mtp == official_mtp, (
+        f"MTP, not under mtp.*: {mtp - official_mtp}; under mtp.*, not MTP: {official_mtp - mtp}"
+    )

@@ -64,3 +64,17 @@ def test_a_publication_failing_on_one_rank_fails_on_every_rank_and_the_previous_
     assert ".adapter." in message and "version 2 stays current" in message, message
     assert all(e["seconds"] < 10 for e in errors), f"a rank took {max(e['seconds'] for e in errors):.1f} s to report"
     assert [e["version"] for e in errors] == [2] * len(got) and got[0]["publications"]["current"] == 2, errors
+
+
+def test_a_publication_to_another_writer_rank_is_held_there_and_every_rank_agrees_on_the_version(impl, loop_base):
+    """``writer_rank=1``: rank 1 gets each version (the adapter's bytes at its step) and becomes its holder; rank 0
+    gets None and holds nothing, yet counts the same versions."""
+    from fixtures.ranks.loop_rank_fns import STEPS, loop_case, run_loop
+
+    got = run_loop(impl.name, loop_case(impl.name, loop_base, "tp2", publish_every=1, publish_writer=1), "tp2")
+    writer, peer = got[1]["publications"], got[0]["publications"]
+    assert writer["version"] == peer["version"] == STEPS, (writer["version"], peer["version"])
+    assert peer["at_publish"] == {} and peer["current"] is None, "rank 0 received a publication it does not write"
+    assert sorted(writer["at_publish"]) == list(range(1, STEPS + 1)) and writer["current"] == STEPS, writer["current"]
+    for version, at in writer["at_publish"].items():
+        assert sorted(at["sums"].values()) == at["adapter_sums"], f"version {version}: not the adapter at its step"

@@ -47,3 +47,27 @@ def test_a_flipped_bit_in_a_tensors_last_partial_word_is_never_published(impl, t
     unnamed = [name for name in flipped if name not in str(info.value)]
     assert not unnamed, f"the refusal does not name {unnamed}: {info.value}"
     assert snapshot_tree(out) == before, "a corrupt staged adapter changed the destination"
+
+
+#: rank 1 on a 1 x 3 projection in bf16: lora_A [1, 3] is 6 bytes and lora_B [1, 1] 2 bytes, less than one word each
+TINY_R, TINY_SHAPES = 1, {"wq_a": (1, 3)}
+
+
+def test_tensors_shorter_than_one_word_are_compared_byte_by_byte(impl, tmp_path):
+    """A tensor of fewer bytes than one 8-byte word has no whole word at all: it still exports, and a flipped bit in
+    it is still caught."""
+
+    def state(alpha):
+        tensors = make_native_adapter(TINY_SHAPES, 1, TINY_R, dtype=torch.bfloat16)
+        return impl.AdapterState(tensors, r=TINY_R, alpha=alpha)
+
+    out = tmp_path / "adapter"
+    impl.export_adapter(state(8.0), out)
+    assert impl.validate_adapter_dir(out)["config"]["lora_alpha"] == 8.0, "the tiny adapter was not published"
+    before = snapshot_tree(out)
+    phases, calls = tampering_the_staged_file(impl.EXPORT_PHASES, tmp_path, out, _flip_last_byte_of_each_tensor)
+    with pytest.raises(impl.CollectiveExportError, match="phase validate") as info:
+        impl.export_adapter(state(9.0), out, phases=phases)
+    flipped = [name for names in calls for name in names]
+    assert flipped and all(name in str(info.value) for name in flipped), f"{flipped}: {info.value}"
+    assert snapshot_tree(out) == before, "a corrupt staged adapter changed the destination"

@@ -79,3 +79,17 @@ def test_duplicated_tensor_across_shards_is_rejected(impl, ckpt, tmp_path):
     bad = _edited(ckpt, tmp_path, split)
     with pytest.raises(impl.CheckpointMappingError, match="duplicated checkpoint tensor embed.weight"):
         impl.load_official_checkpoint([_model(impl)], bad)
+
+
+def test_a_tensor_one_row_short_is_refused_before_any_weight_is_written(impl, ckpt, tmp_path):
+    """All or nothing: a tensor whose trailing dims fit but whose first dim is short (only the vocabulary may be
+    padded) is named as mis-shaped, and the model is left exactly as it was."""
+    name = "layers.0.attn.wq_a.weight"
+    bad = _edited(ckpt, tmp_path, lambda t: t.update({name: t[name][:-1].clone()}))
+    model = _model(impl)
+    before = {n: t.clone() for n, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+    with pytest.raises(impl.CheckpointMappingError, match=f"mis-shaped {name}"):
+        impl.load_official_checkpoint([model], bad)
+    after = model.state_dict()
+    written = [n for n, t in before.items() if not torch.equal(after[n], t)]
+    assert not written, f"a refused checkpoint wrote {len(written)} tensors, e.g. {written[:3]}"

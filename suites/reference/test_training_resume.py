@@ -289,3 +289,28 @@ def test_the_newest_complete_checkpoint_is_found_and_none_complete_is_an_error_n
         impl.latest_training_checkpoint(root)
     assert str(root / "step-000004") in str(err.value), err.value
     assert impl.latest_training_checkpoint(tmp_path / "nothing-here") is None
+
+
+def test_a_checkpoint_written_by_another_rank_holds_the_same_files(impl, base, ckpt_root):
+    """``writer_rank=1``: the checkpoint rank 1 writes is, file for file, the one rank 0 writes (every rank gathers
+    the full tensors and every rank's generators), and rank 0 writes nothing beside it."""
+    uninterrupted(impl, base, ckpt_root, "tp2")
+    uninterrupted(impl, base, ckpt_root, "tp2", save_writer=1)
+    by_rank0, by_rank1 = ckpt_root / "ckpt-tp2", ckpt_root / ckpt_name("tp2", save_writer=1)
+    files = sorted(p.name for p in by_rank0.iterdir())
+    assert sorted(p.name for p in by_rank1.iterdir()) == files, sorted(by_rank1.iterdir())
+    for name in files:
+        assert _sha256(by_rank1 / name) == _sha256(by_rank0 / name), f"{name}: differs when rank 1 writes it"
+    assert not [p.name for p in ckpt_root.iterdir() if p.name.startswith(f".{by_rank1.name}.")], "leftovers"
+    import json
+
+    layout = json.loads((by_rank1 / "trainer_state.json").read_text())["layout"]
+    assert layout == {"world": 2, "tp": 2, "pp": 1, "ep": 1}, f"the saved layout is {layout}"
+    from safetensors.torch import load_file
+
+    generators = load_file(str(by_rank1 / "rng.safetensors"))
+    assert {"rank0/cpu", "rank1/cpu"} <= set(generators), f"not every rank's generators: {sorted(generators)}"
+    adapter, optimizer = (load_file(str(by_rank1 / f)) for f in ("adapter.safetensors", "optimizer.safetensors"))
+    for name, t in optimizer.items():
+        full = adapter[name.split("/", 1)[1]]
+        assert t.shape in (full.shape, ()), f"{name}: shape {list(t.shape)}, not the full {list(full.shape)}"
