@@ -19,10 +19,10 @@ __version__ = "0.1.0"
 #: the modules whose ``__all__`` is the package's public API
 _PUBLIC_MODULES: tuple[str, ...] = (
     "impl.adapter.gather",
-    "impl.conversion.bridge",
+    "impl.bridge.bridge",
     "impl.compat",
     "impl.conversion.coverage",
-    "impl.conversion.dispatch",
+    "impl.bridge.dispatch",
     "impl.conversion.landing",
     "impl.conversion.dequant",
     "impl.conversion.detect",
@@ -39,8 +39,8 @@ _PUBLIC_MODULES: tuple[str, ...] = (
     "impl.conversion.hardware",
     "impl.lora.wrappers",
     "impl.lora.optimizer",
-    "impl.lora.training_checkpoint",
-    "impl.lora.resume",
+    "impl.adapter.training_checkpoint",
+    "impl.adapter.resume",
     "impl.adapter.importer",
     "impl.conversion.mapping",
     "impl.native.config",

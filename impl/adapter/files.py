@@ -58,7 +58,7 @@ def config_text(config: Mapping[str, Any]) -> str:
 
 def write_marker(out_dir: Path, dialect: str | None, hashes: Mapping[str, str], *, kind: str = MARKER_FORMAT) -> None:
     """Durably write ``out_dir/.complete`` certifying ``hashes`` (tmp + fsync + rename + directory fsync); ``kind``
-    is what the directory is (an adapter, or :mod:`impl.lora.training_checkpoint`'s training checkpoint)."""
+    is what the directory is (an adapter, or :mod:`impl.adapter.training_checkpoint`'s training checkpoint)."""
     marker = {"format": kind, "version": 1, "files": dict(hashes)}
     if dialect is not None:
         marker["dialect"] = dialect

@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsv4_launcher.errors import LauncherError
 from impl.cli import output
 from impl.cli.command_text import add_command
 from impl.cli.consumer_check import add_consumer_arguments, add_export_parser
 from impl.cli.convert import add_convert_parser
 from impl.errors import Dsv4Error, OutputPathError, UsageError
 from impl.vocabulary import TARGET_TABLE, TargetTable
-from launcher.errors import LauncherError
 
 __all__ = [
     "build_parser",

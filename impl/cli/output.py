@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from launcher import progress
+from dsv4_launcher import progress
 
 __all__ = [
     "LOG_NAME",
@@ -150,7 +150,7 @@ class Console:
     well. ``sys.stdout`` becomes a stream on a duplicate of the terminal (copied into the log), so a command's own
     ``print`` still reaches the person; ``sys.stderr`` stays on descriptor 2: Python warnings and logging go to the
     log. Problem lines go through :meth:`problem`. A rank sends its progress lines to the launcher over its pipe
-    (``launcher.progress``), which shows them here: the rank's own descriptors point at the log.
+    (``dsv4_launcher.progress``), which shows them here: the rank's own descriptors point at the log.
     """
 
     def __init__(self, log_path: str | os.PathLike[str], *, verbose: bool = False):
@@ -280,7 +280,7 @@ def step(what: str, seconds: float) -> None:
 
 
 def show(message: tuple[str, Any]) -> None:
-    """Show a progress message a rank sent the launcher (``launcher.progress``) as this command's own line."""
+    """Show a progress message a rank sent the launcher (``dsv4_launcher.progress``) as this command's own line."""
     kind, value = message
     if kind == "step":
         step(*value)

@@ -35,7 +35,7 @@ class DefaultBase:
     path: str
 
     def __call__(self) -> None:
-        from launcher.launch import launched_world
+        from dsv4_launcher.launch import launched_world
 
         world = launched_world()
         if world is None or world.rank == 0:
@@ -83,9 +83,9 @@ def run_qualify(opts: QualifyOptions, *, nproc: int, default_base: DefaultBase |
     base meanwhile); each rank then runs every check, ``detect`` and ``coverage`` first, and rank 0 sends one
     progress line per step, with its time.
     """
+    from dsv4_launcher.launch import run_on_ranks
     from impl.cli.qualify_rank import preload, qualify_rank
     from impl.conversion.base_dir import inspect_base
-    from launcher.launch import run_on_ranks
 
     if default_base is None:  # a given base: name what is wrong with it before any rank starts (headers only)
         checks = header_checks(inspect_base(opts.base))

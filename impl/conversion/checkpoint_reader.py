@@ -2,7 +2,7 @@
 :mod:`impl.conversion.headers`), a lazy tensor view, and the header-only checks of quantized weights and their
 ``.scale`` companions.
 
-Everything here reads headers only, so the strict load (:mod:`impl.conversion.bridge`) can judge a full-size
+Everything here reads headers only, so the strict load (:mod:`impl.bridge.bridge`) can judge a full-size
 checkpoint, agree across ranks and fail before any collective or any tensor read."""
 
 from __future__ import annotations

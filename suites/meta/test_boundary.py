@@ -18,7 +18,7 @@ The rule, checked on the source of ``suites/`` and ``fixtures/`` (``conftest.py`
 Values merely computed with an implementation object (``torch.tensor(impl.x)``) count as implementation values too:
 the rule errs on the side of reporting, and a reported line is fixed by going through public API.
 
-No exemption: the rank launcher the runner and the command line share is a package of its own (``launcher/``)
+No exemption: the rank launcher the runner and the command line share is a package of its own (``dsv4_launcher/``)
 that imports nothing of the implementation, so the harness imports it like any other library.
 """
 
@@ -245,7 +245,7 @@ def scan_tree(root: Path) -> list[Violation]:
 def test_the_launcher_imports_nothing_of_the_implementation():
     found = [
         f"{p.relative_to(REPO_ROOT)}: {line.strip()}"
-        for p in sorted((REPO_ROOT / "launcher").glob("*.py"))
+        for p in sorted((REPO_ROOT / "dsv4_launcher").glob("*.py"))
         for line in p.read_text().splitlines()
         if _CODE_IMPORT.match(line)
     ]

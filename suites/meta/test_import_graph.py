@@ -15,18 +15,18 @@ pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "impl"
 
-#: The floors of ``impl``, lowest first: a module imports from its own floor or below. The names everything
-#: shares sit at the bottom; the base graph knows no adapter; what assembles the graph, the adapters and Bridge
-#: (the conversion bridge) sits above them; what a user runs sits on top.
+#: The floors of ``impl``, lowest first (rooms relative to the package): a module imports from its own floor or
+#: below. The names everything shares sit at the bottom; the base graph knows no adapter; what assembles the graph,
+#: the adapters and Bridge (the conversion bridge) sits above them; what a user runs sits on top.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("impl.errors", "impl.data_tables", "impl.vocabulary", "impl.compat"),
-    ("impl.conversion",),
-    ("impl.native",),
-    ("impl.lora",),
-    ("impl.adapter",),
-    ("impl.bridge",),
-    ("impl.recipe",),
-    ("impl.cli",),
+    ("errors", "data_tables", "vocabulary", "compat"),
+    ("conversion",),
+    ("native",),
+    ("lora",),
+    ("adapter",),
+    ("bridge",),
+    ("recipe",),
+    ("cli",),
 )
 UP_REASON = "# up a floor:"
 
@@ -110,7 +110,7 @@ def test_no_module_of_the_implementation_imports_itself_round_a_circle():
 def floor(module: str) -> int:
     """The floor of ``module`` (its room's)."""
     for level, rooms in enumerate(FLOORS):
-        if any(module == room or module.startswith(room + ".") for room in rooms):
+        if any(module == f"{PACKAGE}.{room}" or module.startswith(f"{PACKAGE}.{room}.") for room in rooms):
             return level
     raise KeyError(module)
 
@@ -163,7 +163,7 @@ def design_floors(text: str) -> list[tuple[str, ...]]:
     out = []
     for cells in rows:
         names = [n.strip().strip("`") for n in cells[2].split(",")]
-        out.append(tuple(f"{PACKAGE}." + n.removesuffix("/").removesuffix(".py") for n in names))
+        out.append(tuple(n.removesuffix("/").removesuffix(".py") for n in names))
     return out
 
 

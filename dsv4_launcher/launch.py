@@ -4,10 +4,10 @@ Used by the command line (``qualify``: :func:`run_on_ranks`, which raises :class
 suites' runner (``fixtures/runner/multirank.py``, which judges :func:`launch_ranks`' results against declared
 expectations).
 
-* Plain process: ``nproc`` ranks are spawned (``launcher.spawn``): gloo (the command line: NCCL where CUDA is
+* Plain process: ``nproc`` ranks are spawned (``dsv4_launcher.spawn``): gloo (the command line: NCCL where CUDA is
   present) over a file store (no ports), a post-init barrier, a hard timeout with stack dumps, SIGTERM then SIGKILL to each rank's process group, every rank joined.
 * Inside a launched world (``RANK``/``WORLD_SIZE`` set: torchrun, or a spawned rank calling this again): this
-  process is one rank (``launcher.in_process``). ``fn`` runs here on the default process group (created with the
+  process is one rank (``dsv4_launcher.in_process``). ``fn`` runs here on the default process group (created with the
   call's backend, which must match an existing one); the ranks first agree on what they run, and the results
   travel through the group's store, so a rank whose function raised does not meet its peers inside their
   collective: every peer prints its failure at once, its collective raises (gloo: at the group's timeout; NCCL:
@@ -25,9 +25,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.errors import LaunchError
-from launcher.in_process import InProcessCall, gather_in_world, run_in_process
-from launcher.rank_report import (
+from dsv4_launcher.errors import LaunchError
+from dsv4_launcher.in_process import InProcessCall, gather_in_world, run_in_process
+from dsv4_launcher.rank_report import (
     RAISED,
     SIGNALLED,
     TERMINATED,
@@ -37,7 +37,7 @@ from launcher.rank_report import (
     qualified_name,
     root_cause,
 )
-from launcher.spawn import Preload, collective_timeout_s, spawn_ranks
+from dsv4_launcher.spawn import Preload, collective_timeout_s, spawn_ranks
 
 __all__ = [  # the outcome names and report helpers are re-exported for the suites' runner (fixtures/runner/multirank.py)
     "GRACE_S",
@@ -116,7 +116,7 @@ def launch_ranks(
     ``case`` before ``fn`` runs). ``before_go`` runs once every rank has preloaded, before any starts ``fn``: the
     launcher's own work overlaps the ranks' imports, and what it raises stops the ranks unstarted and leaves this
     call (in a launched world it runs on every rank and what it raises is that rank's result). Never raises for a
-    rank's failure: that is in its result. ``start_method``: how new ranks start (``launcher.spawn.spawn_ranks``).
+    rank's failure: that is in its result. ``start_method``: how new ranks start (``dsv4_launcher.spawn.spawn_ranks``).
     """
     module, qualname = fn.__module__, fn.__qualname__
     if "<locals>" in qualname or "<lambda>" in qualname:

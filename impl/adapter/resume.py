@@ -1,4 +1,4 @@
-"""Resume a LoRA run from a training checkpoint (:mod:`impl.lora.training_checkpoint`), at any layout; refuse, never start
+"""Resume a LoRA run from a training checkpoint (:mod:`impl.adapter.training_checkpoint`), at any layout; refuse, never start
 fresh.
 
 Every rank reads the checkpoint itself (it lies on storage every rank sees, as the base does) and checks it before
@@ -35,7 +35,7 @@ from impl.adapter.exchange import StatusExchange
 from impl.adapter.files import COMPLETE_MARKER
 from impl.adapter.fingerprint import FingerprintMismatchError, verify_fingerprint
 from impl.adapter.scatter import load_full, model_adapter_names, scatter_problems
-from impl.lora.training_checkpoint import (
+from impl.adapter.training_checkpoint import (
     ADAPTER,
     CHECKPOINT_FILES,
     CHECKPOINT_FORMAT,

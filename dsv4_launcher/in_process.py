@@ -1,4 +1,4 @@
-"""One rank of a launched world: the in-process side of :func:`launcher.launch.launch_ranks`.
+"""One rank of a launched world: the in-process side of :func:`dsv4_launcher.launch.launch_ranks`.
 
 Under torchrun (or inside a spawned rank that calls the launcher again) this process is one rank: ``fn`` runs here
 on the default process group. Each call talks to its peers through the default group's key-value store, never
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from launcher.errors import BackendMismatch, RanksDisagree
-from launcher.rank_report import TIMEOUT, RankResult
-from launcher.spawn import Preload, collective_timeout_s, set_collective_timeout_s, start_up
+from dsv4_launcher.errors import BackendMismatch, RanksDisagree
+from dsv4_launcher.rank_report import TIMEOUT, RankResult
+from dsv4_launcher.spawn import Preload, collective_timeout_s, set_collective_timeout_s, start_up
 
 __all__ = ["BackendMismatch", "InProcessCall", "RanksDisagree", "gather_in_world", "run_in_process"]
 

@@ -1,6 +1,6 @@
 """What one rank did (:class:`RankResult`) and the torchrun-shaped report over all ranks (:func:`format_report`).
 
-Shared by the launcher (``launcher.launch``: the command line raises :class:`~launcher.launch.LaunchError` with
+Shared by the launcher (``dsv4_launcher.launch``: the command line raises :class:`~dsv4_launcher.launch.LaunchError` with
 this report) and the test suites' runner, which adds declared expectations on top::
 
     2/4 ranks failed in _rank_export (world_size=4, timeout=30s)

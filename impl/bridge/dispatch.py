@@ -2,9 +2,9 @@
 
 ``AutoBridge.from_hf_config(config).to_megatron_provider()`` asks ``get_model_bridge(architecture)`` for a bridge
 and that bridge's ``provider_bridge`` for a provider. ``get_model_bridge`` is keyed on the architecture name only,
-so per pin (see :mod:`impl.conversion.bridge`):
+so per pin (see :mod:`impl.bridge.bridge`):
 
-* no upstream V4 bridge (0.4.x): the lookup reaches :class:`~impl.conversion.bridge.DeepseekV4ConversionBridge`,
+* no upstream V4 bridge (0.4.x): the lookup reaches :class:`~impl.bridge.bridge.DeepseekV4ConversionBridge`,
   whose ``provider_bridge`` returns :class:`~impl.native.provider.DeepseekV4NativeProvider`;
 * an upstream ``DeepSeekV4Bridge`` (0.5.0+): the lookup keeps reaching it, on purpose (it builds upstream
   Megatron-Core's ``dsv4_hybrid`` GPTModel for the users of that model), so no dispatch reaches ours and
@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron.bridge.models.conversion import model_bridge as _mb
 
-from impl.conversion.bridge import SOURCE, DeepseekV4ConversionBridge
+from impl.bridge.bridge import SOURCE, DeepseekV4ConversionBridge
 from impl.conversion.detect import require_deepseek_v4_config
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Spawn ``nproc`` gloo ranks for one function, rendezvous them, and reap every one: the process mechanics of
-:func:`launcher.launch.launch_ranks`.
+:func:`dsv4_launcher.launch.launch_ranks`.
 
 The calling process is a dispatcher, never a rank. For one call::
 
@@ -46,8 +46,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from launcher import progress
-from launcher.rank_report import EXITED, NOT_STARTED, SIGNALLED, TERMINATED, TIMEOUT, RankResult
+from dsv4_launcher import progress
+from dsv4_launcher.rank_report import EXITED, NOT_STARTED, SIGNALLED, TERMINATED, TIMEOUT, RankResult
 
 __all__ = [
     "START_METHODS",

@@ -13,7 +13,7 @@ global names, as :func:`impl.gather_adapter_state` gathers them, which is what m
 * ``trainer_state.json``: the step, the layout it was saved at, LoRA hyper-parameters, the optimizer's
   hyper-parameters per group, the base fingerprint of the adapted base weights, the caller's ``extra``.
 
-:func:`impl.lora.resume.resume_training` reads it back.
+:func:`impl.adapter.resume.resume_training` reads it back.
 """
 
 from __future__ import annotations
