@@ -1,13 +1,8 @@
 """The files of an exported adapter directory, its ``.complete`` marker, and crash recovery.
 
-On-disk protocol (writer rank, destination ``D`` in parent ``P``; one export per destination at a time):
-``P/.D.dsv4-staging`` is written, fsynced and re-validated; publish renames ``D`` aside to ``P/.D.dsv4-old``
-(or creates that directory holding ``.dsv4-absent`` when ``D`` did not exist), then renames staging to ``D``;
-the marker ``D/.complete`` (tmp + fsync + rename) names the sha256 of every file; commit renames the old
-directory to ``P/.D.dsv4-trash`` (the atomic commit point), and the trash is deleted afterwards.
-While ``.D.dsv4-old`` exists the export is uncommitted and :func:`recover_export_dir` rolls back to it. The
-marker lives inside the directory it certifies and moves with it, so a stale marker can never sit next to a
-different adapter.
+The marker lives inside the directory it certifies and moves with it, so a stale marker never sits next to a
+different adapter. The on-disk protocol is :func:`publish_files`'s; :func:`recover_export_dir` rolls back an
+uncommitted one.
 """
 
 from __future__ import annotations
@@ -123,10 +118,17 @@ def recover_export_dir(out_dir: str | os.PathLike) -> str:
 def publish_files(
     out_dir: str | os.PathLike, files: Mapping[str, bytes], dialect: str | None, *, kind: str = MARKER_FORMAT
 ) -> Path:
-    """Publish ``files`` (name -> bytes) as the directory ``out_dir`` by the protocol above, for a writer that is
-    not the collective export (``dsv4-lora convert-adapter``, a training checkpoint's writer): crash leftovers rolled back, staging written and
-    fsynced, old destination set aside, staging renamed in, marker, commit. On any failure before the commit the
-    destination is restored exactly."""
+    """Publish ``files`` (name -> bytes) as the directory ``out_dir`` by the protocol below, for a writer that is
+    not the collective export (``dsv4-lora convert-adapter``, a training checkpoint's writer): crash leftovers
+    rolled back, staging written and fsynced, old destination set aside, staging renamed in, marker, commit. On any failure before the commit the
+    destination is restored exactly.
+
+    The protocol (writer rank, destination ``D`` in parent ``P``; one export per destination at a time):
+    ``P/.D.dsv4-staging`` is written, fsynced and re-validated; publish renames ``D`` aside to ``P/.D.dsv4-old``
+    (or creates that directory holding ``.dsv4-absent`` when ``D`` did not exist), then renames staging to ``D``;
+    the marker ``D/.complete`` (tmp + fsync + rename) names the sha256 of every file; commit renames the old
+    directory to ``P/.D.dsv4-trash`` (the atomic commit point), and the trash is deleted afterwards. While
+    ``.D.dsv4-old`` exists the export is uncommitted and :func:`recover_export_dir` rolls back to it."""
     out = Path(os.path.abspath(out_dir))
     recover_export_dir(out)
     staging, old, trash = sidecars(out)

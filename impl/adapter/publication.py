@@ -1,17 +1,8 @@
-"""Publishing the adapter to a rollout engine every step, in memory (an RL job's trainer -> rollout weight sync).
+"""Publishing the adapter to a rollout engine every step, in memory: an RL trainer's weight sync.
 
-Miles' colocated path hands the engine the whole adapter's tensors under one fixed name and bumps a
-``weight_version``; SGLang's ``load_lora_adapter_from_tensors`` can check per-tensor sha256 ``expected_checksums``
-(name -> sha256 hex of the tensor's contiguous bytes). :class:`AdapterPublisher` is that sequence for one trainer:
-each :meth:`~AdapterPublisher.publish` validates exactly as the file export does (:func:`publish_in_memory`), and
-only then takes version ``previous + 1``; the published tensors are copies that share no storage with the live
-parameters (the next optimizer step changes the parameters in place: an alias would change what the engine holds),
-and carry their checksums. A refused state publishes nothing: the version and the current publication stay.
-
-:meth:`~AdapterPublisher.publish_model` is the collective form a trainer calls on every rank after a step: each rank
-first checks its own shards (a NaN is named by the rank that holds it), the ranks agree, the adapter is gathered
-to the writer, validated and published there, and the ranks agree again; a failure anywhere raises the same
-:class:`PublicationError` on every rank within the timeout, and every rank keeps the previous version.
+Each version is validated exactly as the file export is, then takes ``previous + 1``; its tensors are owned copies
+(the next optimizer step changes the parameters in place) with SGLang's per-tensor ``expected_checksums``. A
+refused state publishes nothing: the version and the current publication stay.
 """
 
 from __future__ import annotations
@@ -52,7 +43,11 @@ def tensor_checksum(t: torch.Tensor) -> str:
 
 class AdapterPublisher:
     """Versioned in-memory publications of one adapter; ``options``: :func:`publish_in_memory`'s (dialect,
-    consumer, base fingerprint, ...), the same for every version."""
+    consumer, base fingerprint, ...), the same for every version.
+
+    Miles' colocated path hands the engine the whole adapter under one fixed name and bumps a ``weight_version``;
+    SGLang's ``load_lora_adapter_from_tensors`` can check ``expected_checksums`` (name -> sha256 hex of the
+    tensor's contiguous bytes). This is that sequence for one trainer."""
 
     def __init__(self, **options: Any):
         self._options = options
@@ -77,8 +72,13 @@ class AdapterPublisher:
     def publish_model(
         self, model_chunks: Sequence[Any], handle: Any, *, writer_rank: int = 0, timeout_s: float = 60.0
     ) -> Publication | None:
-        """Collective: publish the adapter of ``model_chunks`` as the next version (see the module); returns the
-        publication on ``writer_rank``, None elsewhere. Call on every rank; every rank's :attr:`version` advances."""
+        """Collective: publish the adapter of ``model_chunks`` as the next version; returns the publication on
+        ``writer_rank``, None elsewhere. Call on every rank; every rank's :attr:`version` advances.
+
+        Each rank first checks its own shards (a NaN is named by the rank that holds it), the ranks agree, the
+        adapter is gathered to the writer, validated and published there, and the ranks agree again; a failure
+        anywhere raises the same :class:`PublicationError` on every rank within the timeout, and every rank keeps
+        the previous version."""
         from impl.adapter.gather import adapter_parameters, gather_adapter_state
 
         ex = StatusExchange(timeout_s, topic="dsv4_publication")

@@ -1,19 +1,8 @@
 """Training checkpoints of a LoRA run, layout-free: save at one TP / EP / PP layout, resume at any.
 
-A checkpoint is a directory the writer rank publishes as the export does (staging, fsync, atomic rename,
-``.complete`` last, certifying every file's sha256; :func:`impl.adapter.files.publish_files`), after every rank
-agreed that it has nothing to report (:class:`impl.adapter.exchange.StatusExchange`), so a failure on any rank
-writes nothing and leaves an earlier checkpoint at that path as it was. It holds FULL tensors under the native
-global names, as :func:`impl.gather_adapter_state` gathers them, which is what makes it layout-free:
-
-* ``adapter.safetensors``: the LoRA parameters, in their own dtype;
-* ``optimizer.safetensors``: ``master/<name>`` (fp32 masters of non-fp32 parameters, :class:`impl.AdapterOptimizer`),
-  ``<state key>/<name>`` for every optimizer state tensor (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``);
-* ``rng.safetensors``: ``rank<r>/<generator>``, every rank's random generator states;
-* ``trainer_state.json``: the step, the layout it was saved at, LoRA hyper-parameters, the optimizer's
-  hyper-parameters per group, the base fingerprint of the adapted base weights, the caller's ``extra``.
-
-:func:`impl.adapter.resume.resume_training` reads it back.
+A checkpoint holds full tensors under the native global names, which is what makes it layout-free, and is published
+as the export is (staging, fsync, atomic rename, ``.complete`` last) once every rank has agreed it has nothing to
+report: a failure on any rank writes nothing. :func:`impl.adapter.resume.resume_training` reads it back.
 """
 
 from __future__ import annotations
@@ -232,7 +221,15 @@ def save_training_checkpoint(
     Call on every rank, after an optimizer step. ``handle``: the LoRA handle (its ``r``/``alpha``). ``base``: the
     base checkpoint directory; the adapted base weights' fingerprint is recorded so a resume on another base is
     refused. ``extra``: JSON-able caller state (a data-loader position). Any failure on any rank raises the same
-    :class:`TrainingCheckpointError` everywhere and writes nothing."""
+    :class:`TrainingCheckpointError` everywhere and writes nothing, leaving an earlier checkpoint at that path as it
+    was. The files:
+
+    * ``adapter.safetensors``: the LoRA parameters, in their own dtype;
+    * ``optimizer.safetensors``: ``master/<name>`` (fp32 masters of non-fp32 parameters,
+      :class:`impl.AdapterOptimizer`), ``<state key>/<name>`` for every optimizer state tensor (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``);
+    * ``rng.safetensors``: ``rank<r>/<generator>``, every rank's random generator states;
+    * ``trainer_state.json``: the step, the layout it was saved at, LoRA hyper-parameters, the optimizer's
+      hyper-parameters per group, the base fingerprint of the adapted base weights, the caller's ``extra``."""
     out = Path(os.path.abspath(out_dir))
     ex = StatusExchange(timeout_s, topic="dsv4_checkpoint")
     lora = getattr(handle, "lora", handle)

@@ -1,14 +1,7 @@
 """A DeepSeek-V4 config through Megatron-Bridge's own provider dispatch, to the native provider.
 
-``AutoBridge.from_hf_config(config).to_megatron_provider()`` asks ``get_model_bridge(architecture)`` for a bridge
-and that bridge's ``provider_bridge`` for a provider. ``get_model_bridge`` is keyed on the architecture name only,
-so per pin (see :mod:`impl.bridge.bridge`):
-
-* no upstream V4 bridge (0.4.x): the lookup reaches :class:`~impl.bridge.bridge.DeepseekV4ConversionBridge`,
-  whose ``provider_bridge`` returns :class:`~impl.native.provider.DeepseekV4NativeProvider`;
-* an upstream ``DeepSeekV4Bridge`` (0.5.0+): the lookup keeps reaching it, on purpose (it builds upstream
-  Megatron-Core's ``dsv4_hybrid`` GPTModel for the users of that model), so no dispatch reaches ours and
-  :func:`provider_through_megatron_bridge` says so with :class:`ProviderDispatchError`.
+``AutoBridge.from_hf_config(config).to_megatron_provider()`` asks ``get_model_bridge(architecture)``, keyed on the
+architecture name only, so which bridge answers depends on the pin (:func:`provider_through_megatron_bridge`).
 """
 
 from __future__ import annotations
@@ -33,7 +26,13 @@ __all__ = [
 
 def provider_through_megatron_bridge(hf_config: Any) -> Any:
     """The provider Megatron-Bridge's own dispatch (``AutoBridge``) builds for ``hf_config``: the native provider
-    where the pin dispatches V4 to our bridge, else :class:`ProviderDispatchError` naming the bridge it reaches."""
+    where the pin dispatches V4 to our bridge, else :class:`ProviderDispatchError` naming the bridge it reaches.
+
+    * no upstream V4 bridge (0.4.x): the lookup reaches :class:`~impl.bridge.bridge.DeepseekV4ConversionBridge`,
+      whose ``provider_bridge`` returns :class:`~impl.native.provider.DeepseekV4NativeProvider`;
+    * an upstream ``DeepSeekV4Bridge`` (0.5.0+): the lookup keeps reaching it, on purpose (it builds upstream
+      Megatron-Core's ``dsv4_hybrid`` GPTModel for the users of that model), so no dispatch reaches ours and this
+      says so."""
     require_deepseek_v4_config(hf_config)
     reached = type(_mb.get_model_bridge(SOURCE))
     if reached is not DeepseekV4ConversionBridge:

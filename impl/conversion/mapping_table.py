@@ -1,34 +1,8 @@
 """THE checkpoint-name table: official DeepSeek-V4 on-disk names <-> native Megatron names, in two layouts.
 
-One row per tensor family. ``*`` stands for one whole dotted segment of digits (a layer, MTP or
-expert index), as in Megatron-Bridge. Gated rows map one native tensor to two official tensors
-(gate = ``w1``, up = ``w3``; native ``linear_fc1 = cat(w1, w3)``). Official expert indices are
-global; the native name carries the *local* expert index (the bridge renumbers, EP rank ``r`` holds
-global experts ``r*E/ep .. (r+1)*E/ep-1``). MTP rows are generated from the per-layer template
-(``mtp.K.<suffix>`` <-> ``mtp.layers.K.mtp_model_layer.<suffix>``, sliding-only, score-routed).
-
-Semantics (the Megatron-Bridge mapping class built for the row, see :data:`SEMANTICS`):
-
-============================  ===========================  =================================================
-semantics                     Megatron-Bridge class        meaning
-============================  ===========================  =================================================
-``replicated``                ``ReplicatedMapping``        whole tensor on every TP rank
-``column``                    ``ColumnParallelMapping``    split on dim 0 over TP (heads / o-groups / sink)
-``row``                       ``RowParallelMapping``       split on dim 1 over TP
-``vocab``                     ``ColumnParallelMapping``    vocab rows split over TP (padded to the shard)
-``auto``                      ``AutoMapping``              parallelism read from the native module class
-``gated_mlp``                 ``GatedMLPMapping``          native ``[w1; w3]``, gate/up split per TP shard
-``replicated_gated_mlp``      ``GatedMLPMapping``          native ``[w1; w3]`` on every TP rank (TP group unset)
-``expert_gated_mlp``          ``GatedMLPMapping``          as above, per expert, EP-gathered on export
-``expert_row``                ``RowParallelMapping``       ``w2`` per expert (expert-TP), EP-gathered
-============================  ===========================  =================================================
-
-The rows are data, in ``mapping_table.toml`` beside this module: the model-level ``[[model]]`` rows, one
-``[[layer]]`` (a :class:`LayerRow`) per decoder-layer family, prefixed for the decoder and, where ``in_mtp``, for the
-MTP layer by :func:`_build_table`, and the MTP layer's own ``[[mtp]]`` rows. Each row also carries its ``upstream``
-name(s): upstream Megatron-Core's ``dsv4_hybrid`` graph, the layout Megatron-Bridge's ``DeepSeekV4Bridge`` maps onto
-(names only: the semantics describe the Miles graph, the one this implementation builds). ``dsv4-lora coverage
---manifest flash`` prints every official name with the native name and semantics it maps to.
+One row per tensor family, read from ``mapping_table.toml`` beside this module; ``*`` stands for one dotted segment
+of digits, as in Megatron-Bridge. Each row names the Megatron-Bridge mapping class it is converted with
+(:data:`SEMANTICS`) and its upstream Megatron-Core names. ``dsv4-lora coverage --manifest flash`` prints every row.
 """
 
 from __future__ import annotations
@@ -51,6 +25,18 @@ __all__ = [
     "expected_official_names",
 ]
 
+#: How a row is converted: the Megatron-Bridge mapping class built for it.
+#:
+#: ``replicated`` (ReplicatedMapping): whole tensor on every TP rank. ``column`` (ColumnParallelMapping): split on
+#: dim 0 over TP (heads, o-groups, sink). ``row`` (RowParallelMapping): split on dim 1. ``vocab``
+#: (ColumnParallelMapping): vocab rows split over TP, padded to the shard. ``auto`` (AutoMapping): parallelism read
+#: from the native module class. ``gated_mlp`` (GatedMLPMapping): native ``[w1; w3]``, gate/up split per TP shard;
+#: ``replicated_gated_mlp``: the same on every TP rank; ``expert_gated_mlp``: per expert, EP-gathered on export.
+#: ``expert_row`` (RowParallelMapping): ``w2`` per expert (expert-TP), EP-gathered.
+#:
+#: Gated rows map one native tensor to two official ones (gate ``w1``, up ``w3``; native ``linear_fc1 =
+#: cat(w1, w3)``). Official expert indices are global; the native name carries the local index (EP rank ``r`` holds
+#: global experts ``r*E/ep .. (r+1)*E/ep-1``; the bridge renumbers).
 SEMANTICS = (
     "replicated",
     "column",
@@ -208,6 +194,11 @@ def _placed(t: LayerRow, official_prefix: str, native_prefix: str, note: str) ->
 
 
 def _build_table() -> tuple[MappingRow, ...]:
+    """The model-level ``[[model]]`` rows, each ``[[layer]]`` row (a :class:`LayerRow`) prefixed for the decoder and,
+    where ``in_mtp``, for the MTP layer (``mtp.K.<suffix>`` <-> ``mtp.layers.K.mtp_model_layer.<suffix>``,
+    sliding-only, score-routed), and the MTP layer's own ``[[mtp]]`` rows. The ``upstream`` names are upstream
+    Megatron-Core's ``dsv4_hybrid`` graph, which Megatron-Bridge's ``DeepSeekV4Bridge`` maps onto (names only: the
+    semantics describe the Miles graph this implementation builds)."""
     rows = list(_MODEL_ROWS)
     rows += [_placed(t, "layers.*.", "decoder.layers.*.", t.note) for t in _LAYER_TEMPLATE]
     # MTP: generated from the same template, so a per-layer fix reaches the MTP layer too.

@@ -65,15 +65,10 @@ DOCSTRINGS_TO_TRIM = frozenset(
     {
         "impl/adapter/exchange.py",
         "impl/adapter/export.py",
-        "impl/adapter/files.py",
-        "impl/adapter/publication.py",
         "impl/adapter/resume.py",
-        "impl/adapter/training_checkpoint.py",
         "impl/adapter/validation.py",
         "impl/bridge/bridge.py",
-        "impl/bridge/dispatch.py",
         "impl/cli/verify.py",
-        "impl/conversion/mapping_table.py",
     }
 )
 
