@@ -6,7 +6,10 @@ publication. The single-process publisher's contract (versions, copies, checksum
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
+import torch
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("publish-training")]
 
@@ -78,3 +81,65 @@ def test_a_publication_to_another_writer_rank_is_held_there_and_every_rank_agree
     assert sorted(writer["at_publish"]) == list(range(1, STEPS + 1)) and writer["current"] == STEPS, writer["current"]
     for version, at in writer["at_publish"].items():
         assert sorted(at["sums"].values()) == at["adapter_sums"], f"version {version}: not the adapter at its step"
+
+
+# One rank, in this process: the collective form at world size 1 (megatron, so not in the pin-independent file).
+R, ALPHA = 4, 8.0
+
+
+def _sglang_checksum(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _step(live: dict[str, torch.Tensor], k: int) -> None:
+    with torch.no_grad():  # an optimizer step: every tensor changed in place
+        for i, t in enumerate(live.values()):
+            t.add_(torch.full_like(t, 1e-3 * (k + 1) * (i % 3 + 1)))
+
+
+def _one_rank_lora_model(impl):
+    """A native V4 model with LoRA on every main-attention target, in this process (a world of one rank)."""
+    from fixtures.data.native_weights import ensure_single_rank_megatron
+    from tiny_models.presets import get_preset
+
+    ensure_single_rank_megatron(impl)
+    torch.manual_seed(7)
+    model = impl.DeepseekV4NativeModel(impl.V4Config.from_hf(get_preset("tiny-mixed")), include_mtp=False)
+    handle = impl.apply_lora([model], targets=["wq_a", "wkv", "wo_b"], rank=R, alpha=ALPHA)
+    with torch.no_grad():  # B starts at zero: make every LoRA tensor distinct, as after a step
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_()
+    return model, handle
+
+
+def test_publish_model_on_one_rank_publishes_the_gathered_adapter_as_the_next_version(impl):
+    """The collective form at world size 1 (the writer is this rank): each call takes the next version, returns
+    it and makes it current; it holds the gathered adapter's bytes at that step, owned and checksummed."""
+    model, handle = _one_rank_lora_model(impl)
+    publisher = impl.AdapterPublisher()
+    for k in range(1, 3):
+        want = impl.publish_in_memory(impl.gather_adapter_state([model], handle))[0]
+        pub = publisher.publish_model([model], handle, timeout_s=30)
+        assert pub is not None, f"publish_model returned None on the writer rank (version {k})"
+        assert pub.version == k == publisher.version and publisher.current is pub, (pub.version, publisher.version)
+        assert sorted(pub.tensors) == sorted(want), f"version {k}: not the gathered adapter's tensors"
+        for name, t in pub.tensors.items():
+            assert torch.equal(t, want[name]), f"version {k} {name}: not the adapter at its step"
+        assert pub.expected_checksums == {n: _sglang_checksum(t) for n, t in want.items()}, f"version {k}"
+        _step({n: p for n, p in model.named_parameters() if p.requires_grad}, k)
+
+
+def test_publish_model_refuses_a_nan_shard_naming_the_rank_and_keeps_the_previous_version(impl):
+    model, handle = _one_rank_lora_model(impl)
+    publisher = impl.AdapterPublisher()
+    first = publisher.publish_model([model], handle, timeout_s=30)
+    name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    with pytest.raises(impl.PublicationError) as err:
+        publisher.publish_model([model], handle, timeout_s=30)
+    message = str(err.value)
+    assert "phase check" in message and "rank 0: NonFiniteAdapterError" in message, message
+    assert "version 2 failed" in message and "version 1 stays current" in message, message
+    assert publisher.version == 1 and publisher.current is first, "a refused publication changed the current version"
