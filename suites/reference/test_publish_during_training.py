@@ -6,10 +6,10 @@ publication. The single-process publisher's contract (versions, copies, checksum
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
+
+from fixtures.data.adapter_states import sglang_checksum, step_in_place
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank, pytest.mark.xdist_group("publish-training")]
 
@@ -87,16 +87,6 @@ def test_a_publication_to_another_writer_rank_is_held_there_and_every_rank_agree
 R, ALPHA = 4, 8.0
 
 
-def _sglang_checksum(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _step(live: dict[str, torch.Tensor], k: int) -> None:
-    with torch.no_grad():  # an optimizer step: every tensor changed in place
-        for i, t in enumerate(live.values()):
-            t.add_(torch.full_like(t, 1e-3 * (k + 1) * (i % 3 + 1)))
-
-
 def _one_rank_lora_model(impl):
     """A native V4 model with LoRA on every main-attention target, in this process (a world of one rank)."""
     from fixtures.data.native_weights import ensure_single_rank_megatron
@@ -126,8 +116,8 @@ def test_publish_model_on_one_rank_publishes_the_gathered_adapter_as_the_next_ve
         assert sorted(pub.tensors) == sorted(want), f"version {k}: not the gathered adapter's tensors"
         for name, t in pub.tensors.items():
             assert torch.equal(t, want[name]), f"version {k} {name}: not the adapter at its step"
-        assert pub.expected_checksums == {n: _sglang_checksum(t) for n, t in want.items()}, f"version {k}"
-        _step({n: p for n, p in model.named_parameters() if p.requires_grad}, k)
+        assert pub.expected_checksums == {n: sglang_checksum(t) for n, t in want.items()}, f"version {k}"
+        step_in_place({n: p for n, p in model.named_parameters() if p.requires_grad}, k)
 
 
 def test_publish_model_refuses_a_nan_shard_naming_the_rank_and_keeps_the_previous_version(impl):

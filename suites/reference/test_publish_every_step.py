@@ -9,12 +9,10 @@ a refused state publishes nothing: the version and the current publication stay.
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
-from fixtures.data.adapter_states import make_native_adapter
+from fixtures.data.adapter_states import make_native_adapter, sglang_checksum, step_in_place
 
 pytestmark = pytest.mark.cpu
 
@@ -22,19 +20,8 @@ SHAPES = {"wq_a": (48, 64), "wkv": (32, 64), "wo_b": (64, 32)}
 LAYERS, R, ALPHA, STEPS = 2, 4, 8.0, 5
 
 
-def _sglang_checksum(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _step(live: dict[str, torch.Tensor], k: int) -> None:
-    """An optimizer step: every tensor changed in place."""
-    with torch.no_grad():
-        for i, t in enumerate(live.values()):
-            t.add_(torch.full_like(t, 1e-3 * (k + 1) * (i % 3 + 1)))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_every_step_is_a_new_version_equal_to_the_adapter_at_that_step(impl, dtype):
+def test_every_step_is_a_new_version_equal_to_the_adapter_at_thatstep_in_place(impl, dtype):
     live = make_native_adapter(SHAPES, LAYERS, R, seed=3, dtype=dtype)
     publisher = impl.AdapterPublisher()
     published, frozen = [], []
@@ -45,7 +32,7 @@ def test_every_step_is_a_new_version_equal_to_the_adapter_at_that_step(impl, dty
         frozen.append(
             impl.publish_in_memory(impl.AdapterState({n: t.clone() for n, t in live.items()}, r=R, alpha=ALPHA))[0]
         )
-        _step(live, k)
+        step_in_place(live, k)
     live_storage = {t.untyped_storage().data_ptr() for t in live.values()}
     for k, (pub, want) in enumerate(zip(published, frozen, strict=True)):
         assert sorted(pub.tensors) == sorted(want), f"version {pub.version}: names differ"
@@ -55,7 +42,7 @@ def test_every_step_is_a_new_version_equal_to_the_adapter_at_that_step(impl, dty
             assert t.untyped_storage().data_ptr() not in live_storage, (
                 f"version {pub.version} {name} aliases a live tensor"
             )
-        assert pub.expected_checksums == {n: _sglang_checksum(t) for n, t in want.items()}, f"version {pub.version}"
+        assert pub.expected_checksums == {n: sglang_checksum(t) for n, t in want.items()}, f"version {pub.version}"
     assert len({tuple(sorted(p.expected_checksums.items())) for p in published}) == STEPS, "two versions hash alike"
 
 
@@ -94,7 +81,7 @@ def test_vllm_loads_every_version_from_its_tensors(impl, tmp_path):
         plan.append(
             {"version": pub.version, "tensors": str(tmp_path / f"v{pub.version}.safetensors"), "config": pub.config}
         )
-        _step(live, k)
+        step_in_place(live, k)
     (tmp_path / "plan.json").write_text(json.dumps({"versions": plan}))
     run_probe_script(
         "vllm",
