@@ -1,17 +1,13 @@
-"""The numerical oracle: transformers' ``DeepseekV4ForCausalLM`` of the base, with an adapter applied two ways.
+"""The numerical oracle and its tolerance rules, one home for the suites and the command line alike.
 
-* :func:`peft_logits`: the adapter directory loaded by PEFT itself (``PeftModel.from_pretrained``, checked to have
-  taken every tensor of the file) and merged (stock PEFT cannot run the grouped ``o_a_proj`` unmerged; merging is
-  its own ``W + s·B@A``, which is the grouped semantics: one A for every group, group g's rows of B).
-* :func:`delta_logits` / :func:`oracle_gradients`: the same ``W + s·B@A`` written out here through
-  ``torch.func.functional_call``, so one module's delta can be left out (the power of a comparison) and the loss can
-  be differentiated with respect to A and B (the gradient a train step must use).
-
-The tolerance rule (:data:`LOGIT_RULE`) and the measured power of each comparison live here, once.
+The oracle is transformers' ``DeepseekV4ForCausalLM`` of the base with an adapter applied by PEFT itself
+(:func:`peft_logits`) or as ``W + s·B@A`` written out here (:func:`delta_logits`, so one module's delta can be left
+out and the loss differentiated). A comparison is held to a :class:`Rule` and counts only with its power measured.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,18 +22,63 @@ Adapter = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Rule:
-    """Two correct float32 computations of the same logits differ by rounding only, and rounding is relative to
-    the values rounded: each side sums in its own order through every layer, and a merge rounds ``W + s·B@A`` once
-    per weight. So a tolerance is a number of units of ``eps(float32) × max|reference|``, not an absolute figure."""
+    """A tolerance in units of ``eps(dtype) × max|reference|``, never an absolute figure.
+
+    Two correct computations of the same logits differ by rounding only, and rounding is relative to the values
+    rounded: each side sums in its own order through every layer, and a merge rounds ``W + s·B@A`` once per weight.
+    ``metric`` is the statistic of ``|got - want|`` held to it: the largest, or the mean where single values are
+    not stable (bf16 routing)."""
 
     units: float
+    dtype: str = "float32"  # a torch dtype name
+    metric: str = "max"  # "max" or "mean" absolute difference
+
+    def at_scale(self, scale: float) -> float:
+        return self.units * torch.finfo(getattr(torch, self.dtype)).eps * scale
 
     def tolerance(self, reference: torch.Tensor) -> float:
-        return self.units * torch.finfo(torch.float32).eps * float(reference.detach().abs().max())
+        return self.at_scale(float(reference.detach().abs().max()))
+
+    def difference(self, got: torch.Tensor, want: torch.Tensor) -> float:
+        diff = (got.detach().cpu().float() - want.detach().cpu().float()).abs()
+        return float(diff.max() if self.metric == "max" else diff.mean())
+
+    def compare(self, got: torch.Tensor, want: torch.Tensor) -> Comparison:
+        """``got`` against the reference ``want``, the tolerance scaled by ``max|want|``."""
+        scale = float(want.detach().cpu().float().abs().max())
+        return Comparison(self.difference(got, want), self.at_scale(scale), scale)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One :class:`Rule` applied: the observed difference, the tolerance it was held to and the margin."""
+
+    observed: float
+    tolerance: float
+    scale: float  # max|reference|
+
+    @property
+    def passed(self) -> bool:
+        return self.observed <= self.tolerance
+
+    @property
+    def margin(self) -> float:
+        """tolerance / observed (inf when the two are identical)."""
+        return self.tolerance / self.observed if self.observed > 0 else float("inf")
+
+    def detail(self) -> dict[str, float | None]:
+        """For a JSON report: ``margin`` is null when the two are identical (JSON has no infinity)."""
+        margin = self.margin if self.observed > 0 else None
+        return {"observed": self.observed, "tolerance": self.tolerance, "logit_scale": self.scale, "margin": margin}
 
 
 #: 256 units: a few per layer's summation order over the tiny models' handful of layers, with room for the merge
 LOGIT_RULE = Rule(256)
+#: bf16 logits: 4 units of the mean: routing and indexer top-k flip under bf16 rounding and move single tokens far,
+#: so only a mean is stable there (a reload of a bf16-trained adapter is compared in float32, under LOGIT_RULE)
+BF16_LOGIT_RULE = Rule(4, "bfloat16", "mean")
+#: the logit rule for a parameter dtype
+LOGIT_RULES = {rule.dtype: rule for rule in (LOGIT_RULE, BF16_LOGIT_RULE)}
 #: gradients: the same rule, per tensor, over max|gradient| + max|parameter| / lr (the step's own rounding)
 GRADIENT_RULE = Rule(256)
 
@@ -136,10 +177,15 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 __all__ = [
+    "BF16_LOGIT_RULE",
     "GRADIENT_RULE",
     "LOGIT_RULE",
+    "LOGIT_RULES",
+    "Comparison",
+    "PartEffects",
     "Power",
     "Rule",
+    "adapter_effects",
     "base_model",
     "delta_logits",
     "least_effect",
@@ -165,3 +211,75 @@ def least_layer_effect(model: Any, ids: torch.Tensor) -> Power:
             weight.copy_(saved)
     module = min(effects, key=effects.__getitem__)
     return Power(module, effects[module])
+
+
+@dataclass(frozen=True)
+class PartEffects:
+    """The smallest defects a reload comparison claims to catch, measured per target and per layer: how far the
+    logits move when that part of the adapter is removed, against the comparison's tolerance. A comparison whose
+    tolerance is not below every effect is inconclusive."""
+
+    tolerance: float
+    by_target: dict[str, float]
+    by_layer: dict[int, float]
+
+    @property
+    def smallest(self) -> tuple[str, float]:
+        """The weakest part (``"target wo_a"`` / ``"layer 2"``) and its effect."""
+        parts = [(f"target {t}", e) for t, e in self.by_target.items()]
+        parts += [(f"layer {n}", e) for n, e in self.by_layer.items()]
+        return min(parts, key=lambda p: p[1]) if parts else ("no adapter", 0.0)
+
+    @property
+    def conclusive(self) -> bool:
+        """Every single target and layer moves the logits by more than the tolerance."""
+        return self.smallest[1] > self.tolerance
+
+    def detail(self) -> dict[str, Any]:
+        part, effect = self.smallest
+        return {
+            "effect_by_target": self.by_target,
+            "effect_by_layer": {str(n): e for n, e in self.by_layer.items()},
+            "smallest_effect": effect,
+            "smallest_effect_of": part,
+            "power": effect / self.tolerance if self.tolerance > 0 else None,
+            "conclusive": self.conclusive,
+        }
+
+
+def adapter_effects(
+    peft_model: Any,
+    logits: Callable[[], torch.Tensor],
+    parse: Callable[[str], tuple[int | None, str] | None],
+    rule: Rule,
+    tolerance: float,
+) -> PartEffects:
+    """Per target and per layer, ``rule``'s statistic of (logits with the whole adapter - logits without that part).
+
+    ``peft_model`` is an unmerged PEFT model; ``logits()`` runs it on the evaluation batch; ``parse(module name)``
+    names the (layer, target) a LoRA module adapts, or None. A part is removed by setting its modules' LoRA
+    scaling to zero, the switch PEFT's own forward (and a grouped layer's) multiplies the delta by."""
+    modules: list[tuple[int | None, str, Any]] = []
+    for name, module in peft_model.named_modules():
+        hit = parse(name) if isinstance(getattr(module, "scaling", None), dict) else None
+        if hit is not None:
+            modules.append((*hit, module))
+    full = logits()
+
+    def without(parts: Iterable[Any]) -> float:
+        saved = [(m, dict(m.scaling)) for m in parts]
+        try:
+            for m, _ in saved:
+                m.scaling.update(dict.fromkeys(m.scaling, 0.0))
+            return rule.difference(logits(), full)
+        finally:
+            for m, scaling in saved:
+                m.scaling.update(scaling)
+
+    targets = dict.fromkeys(t for _, t, _ in modules)
+    layers = sorted({n for n, _, _ in modules if n is not None})
+    return PartEffects(
+        tolerance,
+        {t: without(m for _, tt, m in modules if tt == t) for t in targets},
+        {n: without(m for nn, _, m in modules if nn == n) for n in layers},
+    )

@@ -266,7 +266,7 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="parameter dtype (bf16: base logits compared by mean |Δ|, the reload in float32; see impl.cli.logits)",
+        help="parameter dtype (bf16: base logits compared by mean |Δ|, the reload in float32; see dsv4_conformance.judge.oracle)",
     )
     q.add_argument("--timeout", type=_positive(float), default=900.0, help="seconds before every rank is stopped")
     q.add_argument("--out", default="out/qualify", help="output directory (adapter, base, report)")

@@ -68,14 +68,14 @@ def run_qualify(opts: QualifyOptions, *, nproc: int, default_base: DefaultBase |
     | ``coverage`` | every checkpoint tensor maps through the table (0 unmapped, 0 missing) |
     | ``build`` | native graph built by the provider, LoRA applied in a pre-wrap hook before DDP; only adapters train |
     | ``strict_load`` | every native parameter and buffer filled from the checkpoint, nothing left over |
-    | ``base_logits`` | with zero-initialised adapters the native logits equal transformers' (within |
-    |                 | :class:`LogitCheck`) |
+    | ``base_logits`` | with zero-initialised adapters the native logits equal transformers' (the judge's |
+    |                 | rule for the dtype) |
     | ``train`` | optimizer steps on ONE fixed batch: the loss falls, finite non-zero updates on every adapter, base |
     |           | unchanged |
     | ``export`` | adapter-only PEFT export, validated, ``.complete`` written last; its tensors exactly the requested |
     |            | targets x layers |
     | ``reload`` | PEFT loads the adapter onto transformers' model of the same base; logits equal the native LoRA |
-    |            | model's, in float32 (:mod:`impl.cli.logits`); inconclusive unless removing any one target or layer |
+    |            | model's, in float32 (the judge's rule); inconclusive unless removing any one target or layer |
     |            | moves them more |
     | ``verify`` | the exported directory passes ``verify-adapter`` checks (files, marker, fingerprint) |
 

@@ -1,6 +1,7 @@
 """qualify's adapter steps on each rank: the collective export, the exported tensors held to the requested targets
 x layers, and the reload on transformers + PEFT compared with the native model in float32, with the power of that
-comparison measured (:mod:`impl.cli.logits`). ``run`` is qualify's per-rank state (``impl.cli.qualify_rank._RankRun``).
+comparison measured, all by the judge's oracle and rule. ``run`` is qualify's per-rank state
+(``impl.cli.qualify_rank._RankRun``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from impl.cli.logits import LOGIT_CHECKS, compare_logits
+from dsv4_conformance.judge.oracle import LOGIT_RULE, adapter_effects, base_model
 from impl.vocabulary import TARGET_TABLE, TargetRow
 
 __all__ = ["check_reload", "export", "exported_rows", "float32_logits"]
@@ -117,7 +118,6 @@ def check_reload(run: Any, out: Path) -> None:
 
     import impl
     from impl.adapter.dialects import DIALECTS, PEFT_PREFIX
-    from impl.cli.logits import adapter_effects
 
     opts = run.opts
     run.progress.step("reload with PEFT on transformers and compare logits")
@@ -126,17 +126,15 @@ def check_reload(run: Any, out: Path) -> None:
         why = "--no-oracle" if not opts.oracle else f"dialect {opts.dialect!r} (the reload uses 'transformers')"
         run.record("reload", None, f"skipped: {why}", t0)
         return
-    from tiny_models.oracle import load_oracle
-
-    check = LOGIT_CHECKS["float32"]
+    rule = LOGIT_RULE
     lora_logits = run.lora_logits.cpu().float()
     ids = run.eval_ids.cpu()
     models = {
-        "merged": impl.load_peft_adapter(load_oracle(run.base), out, merge=True).eval(),
-        "unmerged": impl.load_peft_adapter(load_oracle(run.base), out, merge=False).eval(),  # grouped o_a_proj
+        "merged": impl.load_peft_adapter(base_model(run.base), out, merge=True).eval(),
+        "unmerged": impl.load_peft_adapter(base_model(run.base), out, merge=False).eval(),  # grouped o_a_proj
     }
     with torch.no_grad():
-        cmps = {mode: compare_logits(lora_logits, m(ids).logits.float(), check) for mode, m in models.items()}
+        cmps = {mode: rule.compare(lora_logits, m(ids).logits.float()) for mode, m in models.items()}
         worst = max(cmps.values(), key=lambda c: c.observed / c.tolerance)
         moved = (lora_logits - run.oracle_logits).abs().max().item()
         dialect = DIALECTS[opts.dialect]
@@ -146,7 +144,7 @@ def check_reload(run: Any, out: Path) -> None:
             return None if hit is None else (hit[0], hit[1].native)
 
         power = adapter_effects(
-            models["unmerged"], lambda: models["unmerged"](ids).logits.float(), parse, check.metric, worst.tolerance
+            models["unmerged"], lambda: models["unmerged"](ids).logits.float(), parse, rule, worst.tolerance
         )
     part, effect = power.smallest
     passed = all(c.passed for c in cmps.values())
@@ -154,7 +152,7 @@ def check_reload(run: Any, out: Path) -> None:
     run.record(
         "reload",
         passed and power.conclusive,
-        f"{verdict}{check.metric}|Δ| merged {cmps['merged'].observed:.2e}, unmerged {cmps['unmerged'].observed:.2e} "
+        f"{verdict}{rule.metric}|Δ| merged {cmps['merged'].observed:.2e}, unmerged {cmps['unmerged'].observed:.2e} "
         f"(tol {worst.tolerance:.1e}, margin {worst.margin:.0f}, float32); smallest effect: {part} {effect:.1e}",
         t0,
         inconclusive=passed and not power.conclusive,

@@ -38,7 +38,7 @@ class QualifyOptions:
     seq_len: int | None = None
     timeout_s: float = 900.0
     oracle: bool = True  # compare with transformers (tiny bases; a full-size oracle does not fit one host)
-    dtype: str = "float32"  # parameter dtype, a LOGIT_CHECKS key
+    dtype: str = "float32"  # parameter dtype, a key of the judge's LOGIT_RULES
 
 
 @dataclass

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_conformance.judge.oracle import LOGIT_RULES, base_model
 from impl.cli import output
-from impl.cli.logits import LOGIT_CHECKS, compare_logits
 from impl.cli.qualify_adapter import check_reload, export, float32_logits
 from impl.cli.qualify_checks import Check, QualifyOptions, all_passed, base_checks
 
@@ -173,15 +173,11 @@ def _check_base_logits(run: _RankRun) -> None:
     t0 = time.perf_counter()
     native = _logits(run)
     if run.rank == 0 and opts.oracle:
-        from tiny_models.oracle import load_oracle
-
         with torch.no_grad():
-            run.oracle_logits = load_oracle(run.base)(run.eval_ids.cpu()).logits.float()
-        check = LOGIT_CHECKS[opts.dtype]
-        cmp = compare_logits(native, run.oracle_logits, check)
-        figure = (
-            f"{check.metric}|Δ|={cmp.observed:.2e} (tol {cmp.tolerance:.1e}, margin {cmp.margin:.0f}, {check.dtype})"
-        )
+            run.oracle_logits = base_model(run.base)(run.eval_ids.cpu()).logits.float()
+        rule = LOGIT_RULES[opts.dtype]
+        cmp = rule.compare(native, run.oracle_logits)
+        figure = f"{rule.metric}|Δ|={cmp.observed:.2e} (tol {cmp.tolerance:.1e}, margin {cmp.margin:.0f}, {rule.dtype})"
         run.record("base_logits", cmp.passed, figure, t0, max_abs_diff=cmp.observed, **cmp.detail())
     elif run.rank == 0:
         run.record("base_logits", None, "skipped (--no-oracle)", t0)
@@ -289,7 +285,7 @@ def preload() -> None:
     from transformers import AutoConfig  # noqa: F401
 
     import impl
-    from tiny_models.oracle import load_oracle  # noqa: F401
+    from dsv4_conformance.judge.oracle import base_model  # noqa: F401
 
     for name in (
         "build_native_model",

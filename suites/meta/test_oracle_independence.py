@@ -3,9 +3,9 @@ the conformance judge (``dsv4_conformance``).
 
 A name table, shape rule or expected value shared by the implementation and the suite's oracle hides every bug in
 it. Allowed, by exact module and imported name: the command line writes its embedded default base and the
-Flash/Pro manifests with ``tiny_models``, ``qualify``'s rank side (its base-logit and reload steps) loads the transformers
-oracle with it, ``verify-adapter`` reports the conformance judge's verdict and reloads through the judge's oracle, and the exporter
-fails closed by the judge's consumer rules (facts about the engines, checked against their code).
+Flash/Pro manifests with ``tiny_models``; ``qualify`` and ``verify-adapter`` compare through the judge's oracle, by
+its rules (one home for both: ``dsv4_conformance.judge.oracle``), and ``verify-adapter`` reports the judge's verdict;
+the exporter fails closed by the judge's consumer rules (facts about the engines, checked against their code).
 """
 
 from __future__ import annotations
@@ -29,9 +29,13 @@ ALLOWED = {
     ("cli/main.py", "tiny_models.presets", "flash_config"),
     ("cli/main.py", "tiny_models.presets", "get_preset"),
     ("cli/main.py", "tiny_models.presets", "pro_config"),
-    ("cli/qualify_rank.py", "tiny_models.oracle", "load_oracle"),
-    ("cli/qualify_adapter.py", "tiny_models.oracle", "load_oracle"),
-    ("cli/logits.py", "dsv4_conformance.judge.oracle", "LOGIT_RULE"),  # qualify's float32 rule is the judge's
+    # qualify compares with the judge's oracle, by the judge's rules, with the judge's measure of their power
+    ("cli/qualify_rank.py", "dsv4_conformance.judge.oracle", "LOGIT_RULES"),
+    ("cli/qualify_rank.py", "dsv4_conformance.judge.oracle", "base_model"),
+    *(
+        ("cli/qualify_adapter.py", "dsv4_conformance.judge.oracle", n)
+        for n in ("LOGIT_RULE", "adapter_effects", "base_model")
+    ),
     # the engines' rules (facts about the engines, checked against their own code): the exporter fails closed by them
     *(("adapter/consumers.py", "dsv4_conformance.judge.consumers", name) for name in judge_consumers.__all__),
     # verify-adapter reports the conformance judge's verdict and reloads through the judge's oracle
