@@ -213,12 +213,11 @@ def _globalize(model: nn.Module, local: str) -> tuple[str, int | None]:
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isascii() and parts[2].isdigit():
         layer = model.get_submodule(".".join(parts[:3]))
         parts[2] = str(getattr(layer, "layer_number", parts[2]))
-    # EP: ``local_experts.{e}`` -> global ``offset + e``; the MoE module knows its EP size.
+    # EP: ``local_experts.{e}`` -> global ``offset + e``.
     if "local_experts" in parts:
         i = parts.index("local_experts")
         experts = model.get_submodule(".".join(parts[:i]))
-        moe = model.get_submodule(".".join(parts[: i - 1])) if i > 1 else model
-        ep = int(getattr(moe, "ep_size", 0) or _ep_size())
+        ep = _ep_size()  # the model was built under the current parallel state
         n_local = int(getattr(experts, "num_local_experts", len(getattr(experts, "local_experts", []))))
         n_experts = n_local * ep
         parts[i + 1] = str(int(getattr(experts, "local_expert_offset", 0)) + int(parts[i + 1]))
@@ -366,7 +365,7 @@ def _judge_load(
             all_offenders.append(f"unmapped checkpoint tensor {name} {headers[name].shape}: {why}")
     for name, files in sorted(dups.items()):
         all_offenders.append(f"duplicated checkpoint tensor {name}: present {len(files)} times in {files}")
-    report.missing = [o.split()[1] for o in all_offenders if o.startswith("missing ")]
+    report.missing = [o.split()[1].removesuffix(":") for o in all_offenders if o.startswith("missing ")]
     if all_offenders:
         quant_only = all(o.startswith(QUANT_PREFIXES) for o in all_offenders)
         err = (QuantizationError if quant_only else CheckpointMappingError)(

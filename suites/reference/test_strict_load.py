@@ -93,3 +93,15 @@ def test_a_tensor_one_row_short_is_refused_before_any_weight_is_written(impl, ck
     after = model.state_dict()
     written = [n for n, t in before.items() if not torch.equal(after[n], t)]
     assert not written, f"a refused checkpoint wrote {len(written)} tensors, e.g. {written[:3]}"
+
+
+def test_the_refusal_carries_a_report_naming_each_missing_tensor_and_printing_its_totals(impl, ckpt, tmp_path):
+    """A caller that catches the refusal reads the offenders by kind from its report (the checkpoint names, not the
+    message's words), and the report prints as its totals."""
+    gone = ["layers.1.attn.wo_b.weight", "norm.weight"]
+    bad = _edited(ckpt, tmp_path, lambda t: [t.pop(name) for name in gone] and None)
+    with pytest.raises(impl.CheckpointMappingError) as err:
+        impl.load_official_checkpoint([_model(impl)], bad)
+    report = err.value.report
+    assert sorted(report.missing) == gone, f"the report's missing tensors are {report.missing}, not {gone}"
+    assert "missing=2" in str(report), f"the report prints {str(report)!r}, without its count of missing tensors"
