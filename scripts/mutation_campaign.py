@@ -5,6 +5,7 @@ against the tests that can reach it; then write docs/mutation_campaign.md.
     .venv/bin/python scripts/mutation_campaign.py [--module lora/targets.py ...] [--write]
     .venv/bin/python scripts/mutation_campaign.py --sample 2      # CI: a few random mutants, the machinery alive
     .venv/bin/python scripts/mutation_campaign.py --report        # the report from the sessions, nothing run
+    .venv/bin/python scripts/mutation_campaign.py --module M --refresh [--since REV]   # M changed since listed
 
 Per module: copy ``impl/`` as ``impl_mutant`` (never the tree), let cosmic-ray list every mutation of the copy's
 module into a session database (out/mutation-campaign/<module>.sqlite, resumable: a rerun continues where it
@@ -12,6 +13,9 @@ stopped), and for each one apply it with cosmic-ray, run the module's tests agai
 server, ``-x``, no bytecode cache), and record killed / survived / incompetent in the database. A mutant on an
 annotation line or by an excluded operator is recorded as skipped, with the reason. Survivors are matched against
 the reviewed decisions (campaign_decisions.toml): equivalent or irrelevant, with why; the rest are undecided.
+A session remembers the module it listed (``<module>.source.py``); a run refuses a session whose module has changed
+since (a pending mutant's occurrence may now name another site), and ``--refresh`` lists it again, carrying over
+the results of the mutants the change left alone (``fixtures/mutations/campaign_refresh.py``).
 ``--sample N`` runs N random mutants of the campaign's modules and fails if one errors or if a survivor is not one
 the committed report lists.
 """
@@ -38,6 +42,7 @@ from fixtures.mutations.campaign import (  # noqa: E402  (the repository root go
     excluded_operator,
     in_annotation,
 )
+from fixtures.mutations.campaign_refresh import StaleSession, check_current, refresh, snapshot_of  # noqa: E402
 from fixtures.mutations.campaign_report import REPORT, write_report  # noqa: E402
 from fixtures.runner.impl_copy import copy_implementation  # noqa: E402
 from fixtures.runner.warm_pytest import pytest_on_copy  # noqa: E402
@@ -58,6 +63,7 @@ def _initialise(module: CampaignModule, module_file: Path, db_path: Path) -> Non
     db_path.parent.mkdir(parents=True, exist_ok=True)
     with use_db(str(db_path), WorkDB.Mode.create) as db:
         init([module_file], db, {})
+    snapshot_of(db_path).write_text(module_file.read_text())  # what the positions refer to
 
 
 def _skip_reason(item, annotations) -> str | None:
@@ -116,6 +122,12 @@ def run_module(module: CampaignModule, work: Path, timeout: float, limit: int | 
     db_path = _session(module) if limit is None else work / "sample.sqlite"
     if not db_path.exists():
         _initialise(module, module_file, db_path)
+    elif limit is None and not check_current(db_path, module_file.read_text(), module.path):
+        print(
+            f"campaign: {module.path}: its session has no snapshot of the module it listed, so a change since then "
+            "cannot be told; --refresh --since REV makes one",
+            file=sys.stderr,
+        )
     annotations = annotation_spans(module_file.read_text())
     _control(module, copy.path, timeout)
     with use_db(str(db_path), WorkDB.Mode.open) as db:
@@ -157,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rerun-survivors", action="store_true", help="run the survivors again (after adding the tests that kill them)"
     )
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="list a changed module again, carrying over the results of the mutants the change left alone",
+    )
+    parser.add_argument(
+        "--since", help="with --refresh, for a session without a snapshot: the git revision it was listed at"
+    )
     parser.add_argument("--write", action="store_true", help=f"write {REPORT.relative_to(REPO_ROOT)} afterwards")
     parser.add_argument(
         "--report",
@@ -172,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.module or ()) - {m.path for m in MODULES})
     if unknown:
         parser.error(f"not campaign modules: {unknown}; known: {[m.path for m in MODULES]}")
+    if args.refresh:
+        if not args.module:
+            parser.error("--refresh needs --module")
+        return _refresh(chosen, args.since)
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant of the same size and second must not reuse a stale .pyc
     with tempfile.TemporaryDirectory(prefix="dsv4-campaign-") as tmp:
         if args.sample:
@@ -179,10 +203,41 @@ def main(argv: list[str] | None = None) -> int:
         for module in chosen:  # a fixed copy per module, so a session's paths hold when a rerun resumes it
             if args.rerun_survivors and _session(module).exists():
                 _forget_survivors(module, _session(module))
-            run_module(module, SESSIONS / "copies" / module.path.replace("/", "__"), args.timeout)
+            try:
+                run_module(module, SESSIONS / "copies" / module.path.replace("/", "__"), args.timeout)
+            except StaleSession as stale:
+                print(f"mutation_campaign: {stale}", file=sys.stderr)
+                return 2
     if args.write:
         write_report(MODULES, _session)
         print(f"mutation_campaign: wrote {REPORT.relative_to(REPO_ROOT)}", file=sys.stderr)
+    return 0
+
+
+def _refresh(modules: list[CampaignModule], since: str | None) -> int:
+    """Re-list each module's session for the module as it is now, carrying over what still holds."""
+    import subprocess
+
+    for module in modules:
+        session = _session(module)
+        copy = copy_implementation(SESSIONS / "copies" / module.path.replace("/", "__"), name=COPY_NAME)
+        module_file = copy.package_dir / module.path
+        if snapshot_of(session).exists():
+            old = snapshot_of(session).read_text()
+        elif since:
+            show = ["git", "-C", str(REPO_ROOT), "show", f"{since}:impl/{module.path}"]
+            old = subprocess.run(show, check=True, capture_output=True, text=True).stdout
+        else:
+            print(f"mutation_campaign: {module.path}: no snapshot; say --since REV", file=sys.stderr)
+            return 1
+        said = refresh(
+            session,
+            old,
+            module_file.read_text(),
+            lambda path, m=module, f=module_file: _initialise(m, f, path),
+            alias=lambda text: text.replace(COPY_NAME, "impl"),
+        )
+        print(f"mutation_campaign: {module.path}: {said}", file=sys.stderr)
     return 0
 
 

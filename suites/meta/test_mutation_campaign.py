@@ -48,3 +48,84 @@ def test_only_annotations_and_the_excluded_operators_are_skipped():
 def test_a_diff_names_the_original_and_the_mutated_line():
     diff = "--- mutation diff ---\n--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-    if a == b:\n+    if a != b:\n"
     assert changed_lines(diff) == ("if a == b:", "if a != b:")
+
+
+TOY_BEFORE = """def f(a, b):
+    return a + b < 3
+
+
+def g(a):
+    return a + 1
+"""
+# new lines at the top move every position; f gains a site (g's + is the next occurrence now) and keeps its columns;
+# g is left alone
+TOY_AFTER = """LIMIT = 2
+
+
+def f(a, b):
+    return a + a + b < 3
+
+
+def g(a):
+    return a + 1
+"""
+
+
+def _list_and_record(tmp_path, text: str, outcome: str):
+    """A session of cosmic-ray's own listing of ``text``, each mutant recorded as ``outcome`` with its real diff."""
+    import cosmic_ray.plugins
+    from cosmic_ray.commands import init
+    from cosmic_ray.mutating import _make_diff, use_mutation
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    tmp_path.mkdir()
+    module = tmp_path / "toy.py"
+    module.write_text(text)
+    session = tmp_path / "toy.sqlite"
+    with use_db(str(session), WorkDB.Mode.create) as db:
+        init([module], db, {})
+        for item in list(db.pending_work_items):
+            mutation = item.mutations[0]
+            operator = cosmic_ray.plugins.get_operator(mutation.operator_name)(**(mutation.operator_args or {}))
+            with use_mutation(module, operator, mutation.occurrence) as (before, after):
+                diff = "\n".join(_make_diff(before, after, module)) if after is not None else ""
+            db.set_result(
+                item.job_id,
+                WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome(outcome), diff=diff),
+            )
+    return module, session
+
+
+def test_a_refreshed_session_keeps_a_result_only_for_the_very_same_mutant(tmp_path):
+    """After a change, every carried result's diff is the diff its new mutant makes (same site, same change); the
+    mutants of the changed line run again, those of the untouched function are all carried."""
+    import sqlite3
+
+    from cosmic_ray.commands import init
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    from fixtures.mutations.campaign_refresh import CARRIED, refresh
+
+    _, session = _list_and_record(tmp_path / "old", TOY_BEFORE, "killed")
+    _, fresh = _list_and_record(tmp_path / "new", TOY_AFTER, "survived")  # the diffs the new listing makes
+
+    def relist(path):
+        with use_db(str(path), WorkDB.Mode.create) as db:
+            init([tmp_path / "new" / "toy.py"], db, {})
+
+    said = refresh(session, TOY_BEFORE, TOY_AFTER, relist)
+    query = (
+        "SELECT s.operator_name, s.occurrence, s.start_pos_row, r.diff, r.output FROM mutation_specs s "
+        "JOIN work_results r ON s.job_id = r.job_id"
+    )
+    with sqlite3.connect(session) as db, sqlite3.connect(fresh) as want_db:
+        carried = db.execute(query).fetchall()
+        want = {(op, n): changed_lines(diff) for op, n, _, diff, _ in want_db.execute(query)}
+        listed = db.execute("SELECT count(*) FROM mutation_specs").fetchone()[0]
+    assert carried and all(output.startswith(CARRIED) for *_, output in carried), said
+    for op, n, row, diff, _ in carried:
+        assert changed_lines(diff) == want[(op, n)], f"{op} #{n} (line {row}) carried another mutant's result"
+        assert row >= 8, f"{op} #{n}: line {row} of the changed f was carried"
+    g_sites = sum(1 for (op, n), (before, _) in want.items() if before == "return a + 1")
+    assert len(carried) == g_sites < listed, f"{said}: carried {len(carried)}, g has {g_sites} mutants"
