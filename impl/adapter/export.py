@@ -1,17 +1,8 @@
 """Adapter-only portable export of a DeepSeek-V4 LoRA: fail-closed, collective, atomic.
 
-Input is an *adapter state* (:class:`impl.adapter.build.AdapterState`: FULL native LoRA tensors plus the LoRA
-hyper-parameters). The TP/EP/PP gather is the caller's ``adapter_phase`` callable (run on every rank; it returns
-the state on the writer rank), so the exporter does not depend on how the model is built.
-
-Collective protocol: :func:`export_adapter` runs the phases of :data:`impl.adapter.phases.EXPORT_PHASES` in order.
-After each phase every rank posts its status (``""`` or ``"ExcType: message"``) to the default process group's
-key-value store and waits for all peers' statuses with a deadline; a missing status becomes
-``rank R: no response within Ts in phase P (dead or hung)``. Any failure makes every surviving rank roll back
-and raise the same :class:`CollectiveExportError`. The store exchange leaves the process group usable.
-The files, the marker and crash recovery: :mod:`impl.adapter.files`. A rank lost after the commit point is still
-reported, but the error says that the new adapter WAS committed (a writer lost inside the commit: either the new
-export or the old one, never a mix).
+:func:`export_adapter` runs the phases of :data:`impl.adapter.phases.EXPORT_PHASES` in order; after each one every
+rank learns every rank's status (:class:`impl.adapter.exchange.StatusExchange`), and any failure is every rank's
+same :class:`CollectiveExportError` with the destination rolled back. Files, marker, recovery: :mod:`impl.adapter.files`.
 """
 
 from __future__ import annotations
@@ -57,7 +48,11 @@ def export_adapter(
     a callable run on every rank that returns the full adapter state on ``writer_rank`` (other ranks may return
     None), or the state itself. On any failure on any rank, every surviving rank raises the same
     :class:`CollectiveExportError` naming each failing rank, and ``out_dir`` is left exactly as it was.
-    ``timeout_s`` bounds each phase's wait for peers; it must exceed the slowest phase. ``phases``:
+    ``timeout_s`` bounds each phase's wait for peers (a missing status becomes ``rank R: no response within Ts in
+    phase P (dead or hung)``); it must exceed the slowest phase. The input is an adapter state (full native LoRA
+    tensors and hyper-parameters) however the model was built. A rank lost after the commit point is still
+    reported, but the error says the new adapter WAS committed (a writer lost inside the commit leaves the new
+    export or the old one, never a mix). ``phases``:
     :data:`EXPORT_PHASES` or a copy with phases wrapped (same names, same order). ``options``: how the state is
     published, the fields of :class:`impl.adapter.build.BuildOptions` (``dialect``, ``base_fingerprint``, ``mtp``...);
     ``fingerprint_base`` (a base directory) has the writer fingerprint the exported modules' base weights in the

@@ -1,15 +1,8 @@
 """``dsv4-lora verify-adapter``: check an existing PEFT adapter against a base, listing every problem.
 
-Reads the base's safetensors headers and ``config.json`` only (so it works on a full-size Flash or
-Pro base); the adapter's own tensors are small and are read in full. Each problem names the tensor.
-The checks are :data:`impl.adapter.validation.ADAPTER_CHECKS` (the exporter's own, see the table there), here
-against the base's names and shapes, plus the opt-in ``forward`` check: PEFT's merged model must equal the base
-with ``W + s*B@A`` applied by hand, by the conformance judge's oracle. The judge's own verdict on the directory
-(:mod:`dsv4_conformance.judge`) is the ``conformance`` row. Names are translated through the target table (:mod:`impl.vocabulary`)
-and the naming dialects (:mod:`impl.adapter.dialects`); every other module of a V4 base resolves to its kind
-(:mod:`impl.adapter.kinds`), so an adapter from any producer is judged by what it wraps. Provenance (``.complete``,
-the base fingerprint) is its own line: an adapter without them is *uncertified*, which fails only with
-``require_certified``; one that has them is held to them.
+Reads the base's safetensors headers and ``config.json`` only, so it works on a full-size Flash or Pro base. The
+checks are the exporter's own (:data:`impl.adapter.validation.ADAPTER_CHECKS`); every module resolves to its kind
+(:mod:`impl.adapter.kinds`), so an adapter from any producer is judged by what it wraps.
 """
 
 from __future__ import annotations
@@ -103,6 +96,8 @@ def verify_adapter(
     check of :data:`ADAPTER_CHECKS` against it (plus ``forward`` when asked; ``judge`` or ``forward``: the conformance
     judge's verdict, which imports torch and transformers). Never raises on a bad adapter or base:
     every problem is listed, naming its file or tensor. With a bad base the adapter is still checked on its own.
+    ``forward``: PEFT's merged model must equal the base with ``W + s*B@A`` applied by the conformance judge's
+    oracle; the judge's own verdict is the ``conformance`` row. Provenance is its own row, held to where present.
     An adapter without ``.complete`` or base fingerprint is uncertified (:attr:`VerifyResult.uncertified`): a
     problem only with ``require_certified``. The fingerprint is compared by sampled pages where a large weight's
     full digest is not remembered, unless ``full_hash`` (:mod:`impl.adapter.fingerprint`)."""

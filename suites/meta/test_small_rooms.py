@@ -64,11 +64,9 @@ MAX_MODULE_DOCSTRING_LINES = 6
 DOCSTRINGS_TO_TRIM = frozenset(
     {
         "impl/adapter/exchange.py",
-        "impl/adapter/export.py",
         "impl/adapter/resume.py",
         "impl/adapter/validation.py",
         "impl/bridge/bridge.py",
-        "impl/cli/verify.py",
     }
 )
 
