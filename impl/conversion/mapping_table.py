@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from impl.data_tables import checked_keys, read_table_file
-from impl.errors import MappingTableError
+from impl.errors import MappingTableError, UnsupportedConfigError
 
 __all__ = [
     "GATED_ROLES",
@@ -263,7 +263,13 @@ def _cfg(config: Any) -> Any:
             return facts
         from transformers import DeepseekV4Config
 
-        config = DeepseekV4Config(**dict(config))
+        try:
+            return V4Config.from_hf(DeepseekV4Config(**dict(config)))
+        except Exception as exc:  # transformers' validators raise their own classes: a config.json it cannot build
+            raise UnsupportedConfigError(
+                f"the config is not a DeepSeek-V4 config.json transformers can build ({type(exc).__name__}: {exc}); "
+                "pass the model's published config.json unchanged"
+            ) from exc
     return V4Config.from_hf(config)
 
 

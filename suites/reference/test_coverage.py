@@ -141,6 +141,15 @@ def test_a_transformers_form_config_json_implies_exactly_its_manifest(impl):
     )
 
 
+def test_a_config_json_transformers_cannot_build_is_refused_naming_what_is_wrong(impl):
+    """A transformers-form config whose layer count disagrees with its layer schedule is a typed error that quotes
+    transformers' own objection, never a bare exception from inside it."""
+    config = get_preset("tiny-mixed").to_dict()
+    config["num_hidden_layers"] = len(config["layer_types"]) + 5
+    with pytest.raises(impl.UnsupportedConfigError, match="num_hidden_layers"):
+        impl.coverage_report([], config=config)
+
+
 def test_coverage_of_a_base_with_a_published_config_never_imports_transformers(impl, tmp_path):
     """Importing transformers costs seconds and most of the memory of a full-size coverage run; a published config
     needs no folding."""
