@@ -95,6 +95,8 @@ def _run_one(item, tests: tuple[str, ...], copy_dir: Path, timeout: float):
     else:  # collection errors, internal errors: the mutant broke the import, which any run notices
         outcome = TestOutcome.INCOMPETENT
     tail = "\n".join(out.strip().splitlines()[-8:]) if out else ""
+    if rc is None:  # said, so a kill by a loaded host's clock can be found and run again
+        tail = f"timed out after {timeout:g}s\n{tail}"
     return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=outcome, output=tail, diff=diff)
 
 
