@@ -1,23 +1,9 @@
 """The checks of an exported adapter directory: ONE list, two reporters.
 
 :data:`ADAPTER_CHECKS` is the list; each check is a named function over an :class:`AdapterDir` (the directory
-read once: config, tensors, metadata, marker) that yields its problems. :func:`validate_adapter_dir` raises at
-the first problem (the exporter's and the library's view); :func:`list_problems` runs every check and lists
-them all (``dsv4-lora verify-adapter``).
-
-| check | problem when |
-|---|---|
-| ``files`` | ``adapter_config.json`` / ``adapter_model.safetensors`` missing or unreadable, or pickle weights present (never unpickled here: ``dsv4-lora convert-adapter``) |
-| ``marker`` | ``.complete`` missing (when required), or it certifies other bytes than the files present (stale) |
-| ``config`` | not LoRA, ``r`` / ``lora_alpha`` invalid, DoRA, or a rank/alpha pattern that changes a module's scale |
-| ``names`` | tensors that are no PEFT LoRA tensors (one line per cause, counted), the dialect is unknown or mixed, or (with a base) modules that resolve to no base weight or are not main-attention targets (one line per kind, naming what each consumer does there) |
-| ``halves`` | a module has only ``lora_A`` or only ``lora_B`` |
-| ``shapes`` | ``lora_A [r, in]`` / ``lora_B [out, r]`` disagree with ``r`` (and with the base weight ``[out, in]``) |
-| ``finite`` | a tensor is not float32/bf16/fp16/fp64, or holds NaN or Inf |
-| ``selection`` | ``target_modules`` does not select exactly the exported modules |
-| ``fingerprint`` | (with a base) the adapter records a fingerprint of another base |
-| ``provenance`` | (only when certification is required) no ``.complete`` or no base fingerprint: a third-party adapter is *uncertified*, not wrong |
-"""
+read once) that yields its problems, its docstring saying when. :func:`validate_adapter_dir` raises at the first
+problem (the exporter's and the library's view); :func:`list_problems` runs every check and lists them all
+(``dsv4-lora verify-adapter``)."""
 
 from __future__ import annotations
 
@@ -144,6 +130,8 @@ class AdapterDir:
 
 
 def _files(a: AdapterDir) -> Iterator[str]:
+    """``adapter_config.json`` / ``adapter_model.safetensors`` missing or unreadable, or pickle weights present
+    (never unpickled here: ``dsv4-lora convert-adapter``)."""
     missing = [f for f in (a.config_file, a.tensor_file) if not f.is_file()]
     yield from (f"{a.path}: missing {f.name}" for f in missing)
     pickles = sorted(p.name for pattern in ("*.bin", "*.pt") for p in a.path.glob(pattern))
@@ -166,6 +154,7 @@ def _files(a: AdapterDir) -> Iterator[str]:
 
 
 def _marker(a: AdapterDir) -> Iterator[str]:
+    """``.complete`` missing (when required), or it certifies other bytes than the files present (stale)."""
     file = a.path / COMPLETE_MARKER
     try:
         marker = a.marker
@@ -184,6 +173,7 @@ def _marker(a: AdapterDir) -> Iterator[str]:
 
 
 def _config(a: AdapterDir) -> Iterator[str]:
+    """Not LoRA, ``r`` / ``lora_alpha`` invalid, DoRA, or a rank/alpha pattern that changes a module's scale."""
     cfg, file = a.config, a.config_file
     for key, want in (("peft_type", "LORA"), ("bias", "none"), ("task_type", "CAUSAL_LM")):
         if cfg.get(key) != want and not (key == "task_type" and cfg.get(key) is None):  # PEFT accepts None
@@ -200,6 +190,11 @@ def _config(a: AdapterDir) -> Iterator[str]:
         yield f"{file}: r={r!r} must be a positive integer"
     if not isinstance(alpha, int | float) or alpha <= 0:
         yield f"{file}: lora_alpha={alpha!r} must be positive"
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = cfg.get(key)
+        broken = [k for k in patterns if not _valid_target_modules(k)] if isinstance(patterns, Mapping) else []
+        if broken:
+            yield f"{file}: {key} key {broken[0]!r} is not a regular expression (PEFT matches each key as one)"
     yield from _pattern_scales(a)
     if not _valid_target_modules(cfg.get("target_modules")):
         yield f"{file}: target_modules={cfg.get('target_modules')!r} is neither a regular expression nor a list of names"
@@ -209,7 +204,7 @@ def pattern_value(patterns: Any, module: str, default: Any) -> Any:
     """The value PEFT gives ``module`` from ``rank_pattern`` / ``alpha_pattern``: the first key that matches the
     end of the module path on a dot boundary (PEFT's own rule), else ``default``."""
     for key, value in (patterns or {}).items() if isinstance(patterns, Mapping) else ():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if _valid_target_modules(key) and re.match(rf"(.*\.)?({key})$", module):  # a broken key: _config names it
             return value
     return default
 
@@ -242,6 +237,9 @@ def _valid_target_modules(value: Any) -> bool:
 
 
 def _names(a: AdapterDir) -> Iterator[str]:
+    """Tensors that are no PEFT LoRA tensors (one line per cause, counted), the dialect is unknown or mixed, or (with
+    a base) modules that resolve to no base weight or are not main-attention targets (one line per kind, naming
+    what each consumer does there)."""
     yield from _foreign_tensors(a)
     if not a.modules:
         yield f"{a.tensor_file}: no adapter tensors"
@@ -320,12 +318,14 @@ def _module_kinds(a: AdapterDir) -> Iterator[str]:
 
 
 def _halves(a: AdapterDir) -> Iterator[str]:
+    """A module has only ``lora_A`` or only ``lora_B``."""
     for module, halves in a.modules.items():
         if set(halves) != {"lora_A", "lora_B"}:
             yield f"{module}: only {sorted(halves)} present"
 
 
 def _shapes(a: AdapterDir) -> Iterator[str]:
+    """``lora_A [r, in]`` / ``lora_B [out, r]`` disagree with ``r`` (and with the base weight ``[out, in]``)."""
     for module, halves in a.modules.items():
         r = pattern_value(a.config.get("rank_pattern"), module, a.config.get("r"))
         official = a.base_names.official_of(module) if a.base_names is not None else None
@@ -348,6 +348,7 @@ def _dims(half: str, want: list[Any]) -> str:
 
 
 def _finite(a: AdapterDir) -> Iterator[str]:
+    """A tensor is not float32/bf16/fp16/fp64, or holds NaN or Inf."""
     for key, t in a.tensors.items():
         if t.dtype not in LORA_DTYPES:
             yield f"{key}: dtype {str(t.dtype).removeprefix('torch.')}, a LoRA weight is one of {_LORA_DTYPE_NAMES}"
@@ -357,6 +358,7 @@ def _finite(a: AdapterDir) -> Iterator[str]:
 
 
 def _selection(a: AdapterDir) -> Iterator[str]:
+    """``target_modules`` does not select exactly the exported modules."""
     d, got = a.dialect, a.config.get("target_modules")
     if d is None or not a.modules or not _valid_target_modules(got):
         return  # reported by names / config
@@ -393,6 +395,7 @@ def selected_modules(target_modules: Any, base_modules: Mapping[str, str]) -> se
 
 
 def _fingerprint(a: AdapterDir) -> Iterator[str]:
+    """(With a base) the adapter records a fingerprint of another base."""
     if a.fingerprint_base is None:
         return
     try:
@@ -427,14 +430,17 @@ def unproven(a: AdapterDir) -> list[str]:
     missing = [] if present else [f"no {COMPLETE_MARKER} marker (its completeness cannot be proven)"]
     try:
         recorded = read_adapter_fingerprint(a.path)
-    except ValueError:
-        recorded = {}  # unreadable: the fingerprint check reports it
+    except ValueError:  # proves nothing, whether or not a base is given to check it against
+        missing.append("an unreadable base fingerprint (the base it was trained on cannot be proven)")
+        return missing
     if recorded is None:
         missing.append("no base fingerprint (the base it was trained on cannot be proven)")
     return missing
 
 
 def _provenance(a: AdapterDir) -> Iterator[str]:
+    """(Only when certification is required) no ``.complete`` or no base fingerprint: a third-party adapter is
+    *uncertified*, not wrong."""
     missing = unproven(a)
     if missing and a.require_certified:
         yield f"{a.path}: uncertified ({'; '.join(missing)}) and certification is required"

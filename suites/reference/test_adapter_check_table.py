@@ -128,3 +128,13 @@ def test_an_exports_target_modules_must_select_exactly_its_modules(impl, adapter
     _edit_config(adapter, target_modules=target_modules)
     with pytest.raises(impl.AdapterValidationError, match="does not select exactly the"):
         impl.validate_adapter_dir(adapter, require_complete=False)
+
+
+@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
+def test_a_pattern_that_lowers_a_modules_rank_or_alpha_is_refused_as_well(impl, adapter, field):
+    """A smaller value changes the scale as much as a larger one does."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    lower = R // 2 if field == "rank_pattern" else config["lora_alpha"] / 2
+    _edit_config(adapter, **{field: {"model.layers.0.self_attn.q_a_proj": lower}})
+    with pytest.raises(impl.AdapterValidationError, match=field):
+        impl.validate_adapter_dir(adapter, require_complete=False)
