@@ -1,11 +1,9 @@
 """Every rank's status after a phase of a collective operation, agreed over the default group's key-value store.
 
-The adapter export (:mod:`impl.adapter.export`), the training checkpoint and the publication to rollout run their
-phases on every rank and, after each, call :meth:`StatusExchange.agree`: every rank posts ``""`` (ok) or
-``"ExcType: message"`` and reads every peer's with a deadline, so a failure anywhere is every rank's same failure
-and a dead or hung peer is named instead of stranding the others at a barrier. The store exchange leaves the
-process group usable.
-"""
+The export, the training checkpoint, resume, the import and the publication to rollout call
+:meth:`StatusExchange.agree` (or :meth:`StatusExchange.run`) after each phase: a failure anywhere is every rank's
+same failure, a dead or hung peer is named by the deadline instead of stranding the others at a barrier, and the
+process group stays usable."""
 
 from __future__ import annotations
 
@@ -51,7 +49,10 @@ class StatusExchange:
         self.prefix = f"{topic}/{StatusExchange._seq}/"
 
     def agree(self, phase: str, status: str) -> list[str]:
-        """Post this rank's status for ``phase`` and return every rank's failure (same list on every rank)."""
+        """Post this rank's status for ``phase`` (``""``: ok, else ``"ExcType: message"``), read every peer's with a
+        deadline of ``timeout_s``, and return every rank's failure (same list on every rank): ``"rank N: <its
+        status>"``, a peer that never posted named dead or hung, the store's host (rank 0) named when the store itself
+        is gone, and on a rank whose peers all posted ok, that a peer which timed out earlier aborted the operation."""
         if self.store is None:
             return [f"rank {self.rank}: {status}"] if status else []
         keys = [f"{self.prefix}{phase}/{r}" for r in range(self.world)]

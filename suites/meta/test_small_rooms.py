@@ -63,9 +63,7 @@ MAX_MODULE_DOCSTRING_LINES = 6
 #: listed.
 DOCSTRINGS_TO_TRIM = frozenset(
     {
-        "impl/adapter/exchange.py",
         "impl/adapter/resume.py",
-        "impl/adapter/validation.py",
         "impl/bridge/bridge.py",
     }
 )

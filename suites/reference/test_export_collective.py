@@ -10,6 +10,7 @@ they never import megatron (the exporter does not need it; importing it would co
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -256,11 +257,85 @@ def test_a_rank_lost_after_the_commit_point_is_reported_and_the_committed_export
     assert len({r.payload[0]["error"] for r in survivors}) == 1, "survivors raised different errors"
 
 
+@dataclass(frozen=True)
+class StoreHostCase:
+    impl: str
+    root: str
+
+
+def _rank_export_after_the_store_host_died(rank: int, world_size: int, case: StoreHostCase) -> dict:
+    """The group re-formed over a TCP store that rank 0 hosts (as torchrun's rendezvous does), one export, then rank
+    0 dies and its store with it; what the survivor's next export raised."""
+    import torch.distributed as dist
+
+    api = load_impl(case.impl, prepare=False)
+    host = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [host.port if host is not None else None]
+    dist.broadcast_object_list(port, src=0)
+    store = host or dist.TCPStore("127.0.0.1", port[0], world_size, is_master=False)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))  # fmt: skip
+    dest = Path(case.root) / "adapter"
+    api.export_adapter(lambda: _state(api, rank, 0), dest, timeout_s=EXCHANGE_TIMEOUT_S)
+    dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    error, started = None, time.monotonic()
+    try:
+        api.export_adapter(lambda: _state(api, rank, 1), dest, timeout_s=KILL_EXCHANGE_TIMEOUT_S)
+    except api.CollectiveExportError as err:
+        error = str(err)
+    try:
+        api.validate_adapter_dir(dest)
+        valid = "valid"
+    except Exception as err:  # judged by the test
+        valid = f"{type(err).__name__}: {err}"
+    return {"error": error, "elapsed": time.monotonic() - started, "valid": valid}
+
+
+def test_a_dead_store_host_is_named_by_every_survivor_and_the_earlier_export_stands(impl, tmp_path: Path) -> None:
+    """Under torchrun's rendezvous rank 0 hosts the group's store: when it dies, the store goes too. The survivor's
+    export still raises the collective error, naming rank 0 as the dead or hung store host within the timeout,
+    and the earlier export stays complete and valid."""
+    results = run_ranks(
+        _rank_export_after_the_store_host_died,
+        StoreHostCase(impl.name, str(tmp_path)),
+        nproc=2,
+        timeout_s=60,
+        expect=RankFailure(rank=0, signal=signal.SIGKILL),
+        grace_s=KILL_GRACE_S,
+    )
+    (survivor,) = _survivors(results, 0)
+    said = survivor.payload["error"]
+    assert said is not None, "rank 1 exported after rank 0 and its store died"
+    assert f"rank 0: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s in phase gather" in said, said
+    assert "store host dead or hung" in said and "Nothing was published" in said, said
+    assert survivor.payload["elapsed"] < EXCHANGE_TIMEOUT_S, f"rank 1 took {survivor.payload['elapsed']:.1f}s"
+    assert survivor.payload["valid"] == "valid", f"the earlier export no longer validates: {survivor.payload['valid']}"
+
+
+def test_without_a_process_group_the_export_is_rank_0_of_a_world_of_one(impl, tmp_path: Path) -> None:
+    """Called in a process with no process group, the export is a world of one: that process writes the adapter,
+    names itself rank 0 when a phase fails, and refuses any other writer rank."""
+    out = tmp_path / "adapter"
+    state = _state(impl, 0, seed=0)
+    assert str(impl.export_adapter(state, out, timeout_s=EXCHANGE_TIMEOUT_S)) == str(out)
+    impl.validate_adapter_dir(out)
+    failing = _failing_everywhere(impl.EXPORT_PHASES, "write", OSError("disk full"))
+    with pytest.raises(impl.CollectiveExportError) as err:
+        impl.export_adapter(state, tmp_path / "failing", timeout_s=EXCHANGE_TIMEOUT_S, phases=failing)
+    assert "failed in phase write: rank 0: OSError: disk full" in str(err.value), str(err.value)
+    with pytest.raises(impl.ExportError, match="writer_rank=1 is outside the world of 1 ranks"):
+        impl.export_adapter(state, tmp_path / "elsewhere", writer_rank=1, timeout_s=EXCHANGE_TIMEOUT_S)
+
+
 #: a hung rank answers this long after its phase began: past its peers' deadline (the kill tests' exchange timeout)
 HANG_S = KILL_EXCHANGE_TIMEOUT_S + 1.5
-#: a slow rank answers this long after its phase began: far longer than the store's own polling interval, far inside
-#: the exchange timeout its peers wait with
-SLOW_S = 2.0
+#: a slow rank answers this long after its phase began: far longer than the store's own polling interval and than any
+#: wait of a second or two (FileStore's wait, the file:// rendezvous, rounds its timeout up to the next whole second),
+#: far inside the exchange timeout its peers wait with
+SLOW_S = 3.5
 
 
 @dataclass(frozen=True)

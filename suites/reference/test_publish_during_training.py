@@ -6,6 +6,9 @@ publication. The single-process publisher's contract (versions, copies, checksum
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -90,9 +93,16 @@ R, ALPHA = 4, 8.0
 def _one_rank_lora_model(impl):
     """A native V4 model with LoRA on every main-attention target, in this process (a world of one rank)."""
     from fixtures.data.native_weights import ensure_single_rank_megatron
-    from tiny_models.presets import get_preset
 
     ensure_single_rank_megatron(impl)
+    return _lora_model(impl)
+
+
+def _lora_model(impl):
+    """The native V4 model with LoRA on every main-attention target, the same on every rank that builds it (Megatron's
+    parallel state already set up)."""
+    from tiny_models.presets import get_preset
+
     torch.manual_seed(7)
     model = impl.DeepseekV4NativeModel(impl.V4Config.from_hf(get_preset("tiny-mixed")), include_mtp=False)
     handle = impl.apply_lora([model], targets=["wq_a", "wkv", "wo_b"], rank=R, alpha=ALPHA)
@@ -133,3 +143,70 @@ def test_publish_model_refuses_a_nan_shard_naming_the_rank_and_keeps_the_previou
     assert "phase check" in message and "rank 0: NonFiniteAdapterError" in message, message
     assert "version 2 failed" in message and "version 1 stays current" in message, message
     assert publisher.version == 1 and publisher.current is first, "a refused publication changed the current version"
+
+
+# Two data-parallel ranks, each with the whole (tiny) model: how every rank learns of a failure anywhere.
+#: the exchange timeout of the late-rank case, and how long after its peer that rank calls publish_model
+LATE_TIMEOUT_S, LATE_BY_S = 2.0, 5.0
+
+
+@dataclass(frozen=True)
+class ReplicaCase:
+    impl: str
+
+
+def _rank_publish_failures(rank: int, world_size: int, case: ReplicaCase) -> dict:
+    """A NaN in the same tensor of every replica, then rank 1 calling publish_model after its peer's deadline: what
+    each rank raised, and its version afterwards."""
+    import torch.distributed as dist
+
+    from fixtures.runner.impl_loader import load_impl
+    from fixtures.runner.multirank import init_megatron_parallel
+
+    impl = load_impl(case.impl)
+    init_megatron_parallel()
+    model, handle = _lora_model(impl)
+    publisher = impl.AdapterPublisher()
+    name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    seen: dict[str, str | None] = {}
+
+    def attempt(label: str, timeout_s: float, late_s: float = 0.0) -> None:
+        time.sleep(late_s)
+        seen[label] = None
+        try:
+            publisher.publish_model([model], handle, timeout_s=timeout_s)
+        except impl.PublicationError as err:
+            seen[label] = str(err)
+        dist.barrier()  # the group must still work
+
+    kept = param.detach().clone()
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    attempt("nan-everywhere", 30.0)
+    with torch.no_grad():
+        param.copy_(kept)
+    attempt("late-rank", LATE_TIMEOUT_S, LATE_BY_S if rank == 1 else 0.0)
+    return {"seen": seen, "version": publisher.version}
+
+
+def test_every_rank_failing_alike_is_named_once_and_a_late_rank_learns_its_peer_gave_up(impl):
+    """Two replicas with a NaN in the same tensor: both ranks raise the same PublicationError, which names both ranks
+    together with the one reason. Then rank 1 calls publish_model after rank 0's deadline: rank 0 names it dead or
+    hung, and rank 1, which finds every status ok, raises that its peer aborted the publication instead of
+    publishing alone. Neither rank advances its version."""
+    from fixtures.runner.multirank import impl_preload, run_ranks
+
+    results = run_ranks(_rank_publish_failures, ReplicaCase(impl.name), nproc=2, timeout_s=90,
+                        preload=impl_preload(impl.name))  # fmt: skip
+    seen = [r.payload["seen"] for r in results]
+    errors = [s["nan-everywhere"] for s in seen]
+    assert errors[0] is not None and errors[0] == errors[1], f"the ranks raised {errors}"
+    said = errors[0]
+    assert "failed in phase check: ranks 0, 1: NonFiniteAdapterError: " in said, said
+    assert said.count("holds NaN or Inf") == 1, f"the shared reason is not said once: {said}"
+
+    waited, late = (s["late-rank"] or "" for s in seen)
+    assert f"rank 1: no response within {LATE_TIMEOUT_S:g}s in phase check (dead or hung)" in waited, waited
+    assert "failed in phase check: publication aborted by a peer that timed out before phase check. " in late, late
+    versions = [r.payload["version"] for r in results]
+    assert versions == [0, 0], f"a failed publication advanced the ranks' versions to {versions}"
