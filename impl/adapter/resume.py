@@ -1,15 +1,9 @@
-"""Resume a LoRA run from a training checkpoint (:mod:`impl.adapter.training_checkpoint`), at any layout; refuse, never start
-fresh.
+"""Resume a LoRA run from a training checkpoint (:mod:`impl.adapter.training_checkpoint`), at any layout; refuse,
+never start fresh.
 
-Every rank reads the checkpoint itself (it lies on storage every rank sees, as the base does) and checks it before
-anything changes: the ``.complete`` marker and every file's sha256 (an interrupted or torn save), the format, a
-non-empty adapter, finite tensors, the LoRA hyper-parameters and parameter names of this model (another target
-set), the base fingerprint (another base), the optimizer's state. The ranks agree on the outcome
-(:class:`impl.adapter.exchange.StatusExchange`); only when every rank found nothing wrong does each copy its slice
-of the full tensors into its parameters, masters and optimizer state (:mod:`impl.adapter.scatter`). The random
-generators are restored when the layout is the one saved (they are per rank); at another layout they are not,
-and :class:`ResumeInfo` says so.
-"""
+Every rank checks the checkpoint before anything changes and the ranks agree on the outcome; only then does each
+copy its slice into parameters, masters and optimizer state, the generators at the saved layout only
+(:func:`resume_training` lists the checks; :class:`ResumeInfo` says what was restored)."""
 
 from __future__ import annotations
 
@@ -112,7 +106,7 @@ def _certified(path: Path) -> dict[str, bytes]:
 
 def _tensors(path: Path, name: str, data: bytes) -> dict[str, torch.Tensor]:
     try:
-        tensors = load(data)
+        tensors = _load(path, name, data)
     except (SafetensorError, ValueError) as exc:
         raise TrainingCheckpointError(f"{path / name}: not a safetensors file ({exc})") from None
     for key, t in tensors.items():
@@ -248,7 +242,16 @@ def resume_training(
     Call on every rank, after building the model and optimizer as for a fresh run. ``handle``: the LoRA handle,
     whose ``r``/``alpha`` must be the saved ones. ``base``: the base checkpoint, checked against the recorded
     fingerprint. Any problem on any rank raises the same :class:`TrainingCheckpointError` on every rank, naming
-    the file, and changes nothing."""
+    the file, and changes nothing.
+
+    Every rank reads the checkpoint itself (it lies on storage every rank sees, as the base does) and checks it
+    before anything changes: the ``.complete`` marker and every file's sha256 (an interrupted or torn save), the
+    format, a non-empty adapter, finite tensors of dtypes torch can load, the LoRA hyper-parameters and parameter
+    names of this model (another target set), the base fingerprint (another base), the optimizer's state. The ranks
+    agree on the outcome (:class:`impl.adapter.exchange.StatusExchange`); only when every rank found nothing wrong
+    does each copy its slice of the full tensors into its parameters, masters and optimizer state
+    (:mod:`impl.adapter.scatter`). The random generators are per rank: restored when the layout is the
+    one saved, not at another (``rng_restored`` of the :class:`ResumeInfo` says which)."""
     path = Path(os.path.abspath(ckpt_dir))
     ex = StatusExchange(timeout_s, topic="dsv4_resume")
     chunks = list(model_chunks)
@@ -278,3 +281,19 @@ def resume_training(
     if same:
         _restore_rng(ckpt, ex.rank)
     return ResumeInfo(path, ckpt.state["step"], saved, layout, same, dict(ckpt.state.get("extra", {})))
+
+
+def _load(path: Path, name: str, data: bytes) -> dict[str, torch.Tensor]:
+    """``load(data)``, with the one refusal it leaves untyped typed: a dtype the safetensors format has but torch's
+    loader lacks (``F8_E8M0``, ``F4``, ``F6``) is a bare KeyError of the dtype there; here, the file and the tensors
+    stored in it are named. Last in the module so the mutation campaign's earlier occurrences keep their numbers."""
+    try:
+        return load(data)
+    except KeyError as exc:
+        dtype = exc.args[0] if exc.args else None
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        tensors = sorted(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == dtype)
+        raise TrainingCheckpointError(
+            f"{path / name}: {', '.join(tensors) or 'a tensor'} stored as {dtype}, a dtype torch's safetensors loader "
+            "cannot read; not a checkpoint the save wrote (resume from an earlier one)"
+        ) from None

@@ -63,7 +63,6 @@ MAX_MODULE_DOCSTRING_LINES = 6
 #: listed.
 DOCSTRINGS_TO_TRIM = frozenset(
     {
-        "impl/adapter/resume.py",
         "impl/bridge/bridge.py",
     }
 )
