@@ -21,7 +21,7 @@ LAYERS, R, ALPHA, STEPS = 2, 4, 8.0, 5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_every_step_is_a_new_version_equal_to_the_adapter_at_thatstep_in_place(impl, dtype):
+def test_every_step_is_a_new_version_equal_to_the_adapter_at_that_step(impl, dtype):
     live = make_native_adapter(SHAPES, LAYERS, R, seed=3, dtype=dtype)
     publisher = impl.AdapterPublisher()
     published, frozen = [], []
