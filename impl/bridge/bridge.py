@@ -1,26 +1,8 @@
 """Conversion-only Megatron-Bridge bridge for the native DeepSeek-V4 graph: strict load and export.
 
-Every mapping object is a real Megatron-Bridge ``MegatronParamMapping`` built from :data:`impl.conversion.mapping.MAPPING_TABLE`,
-so TP scatter/gather, EP gather and PP broadcast are Megatron-Bridge's own code.
-
-Registration and dispatch (Megatron-Bridge 0.6.2, ``models/decorators/dispatch.py``): ``register_bridge`` keys
-``get_model_bridge`` on the *source only* and the three stream dispatchers on the ``(source, target)`` tuple. The
-dispatcher table is a dict, so a second registration with the same source string *replaces* the first
-``get_model_bridge`` entry (last import wins), while tuples with different targets coexist. Upstream
-``DeepSeekV4Bridge`` (0.5.0+) registers ``("DeepseekV4ForCausalLM", GPTModel)``; we register
-``("DeepseekV4ForCausalLM", DeepseekV4NativeModel)`` for the stream dispatchers and then *restore* the upstream
-``get_model_bridge`` entry, because that one has no model argument and ``AutoBridge`` uses it to build GPTModel
-providers (ours hands the config to the native provider). So per pin:
-
-* 0.6.2 (and 0.5.x): ``get_model_bridge("DeepseekV4ForCausalLM")`` -> upstream ``DeepSeekV4Bridge``;
-  ``stream_*_megatron_to_hf(("DeepseekV4ForCausalLM", DeepseekV4NativeModel), ...)`` -> ours;
-  ``(..., GPTModel)`` -> upstream.
-* pins without an upstream V4 bridge (< 0.5.0): ``get_model_bridge`` -> ours as well (nothing to preserve).
-
-Strict load: every checkpoint tensor is loaded, or declared not loaded with a reason (``.scale`` companions consumed
-by dequantization; ``mtp.*`` when the model has no MTP layer); every native parameter and persistent buffer is
-filled; anything else raises one :class:`~impl.errors.CheckpointMappingError` listing all offenders. Validation
-reads safetensors headers only and agrees across ranks before any collective, so a bad checkpoint never hangs.
+Every mapping object is a real Megatron-Bridge ``MegatronParamMapping`` built from
+:data:`impl.conversion.mapping.MAPPING_TABLE`, so TP scatter/gather, EP gather and PP broadcast are Megatron-Bridge's
+own code. Which bridge answers where, per pin: :func:`register`.
 """
 
 from __future__ import annotations
@@ -158,7 +140,21 @@ def _native_model_class() -> type:
 
 
 def register() -> bool:
-    """Register with Megatron-Bridge's dispatch (idempotent); see the module docstring for what wins where.
+    """Register with Megatron-Bridge's dispatch (idempotent).
+
+    Registration and dispatch (Megatron-Bridge 0.6.2, ``models/decorators/dispatch.py``): ``register_bridge`` keys
+    ``get_model_bridge`` on the *source only* and the three stream dispatchers on the ``(source, target)`` tuple. The
+    dispatcher table is a dict, so a second registration with the same source string *replaces* the first
+    ``get_model_bridge`` entry (last import wins), while tuples with different targets coexist. Upstream
+    ``DeepSeekV4Bridge`` (0.5.0+) registers ``("DeepseekV4ForCausalLM", GPTModel)``; we register
+    ``("DeepseekV4ForCausalLM", DeepseekV4NativeModel)`` for the stream dispatchers and then *restore* the upstream
+    ``get_model_bridge`` entry, because that one has no model argument and ``AutoBridge`` uses it to build GPTModel
+    providers (ours hands the config to the native provider). So per pin:
+
+    * 0.6.2 (and 0.5.x): ``get_model_bridge("DeepseekV4ForCausalLM")`` -> upstream ``DeepSeekV4Bridge``;
+      ``stream_*_megatron_to_hf(("DeepseekV4ForCausalLM", DeepseekV4NativeModel), ...)`` -> ours;
+      ``(..., GPTModel)`` -> upstream.
+    * pins without an upstream V4 bridge (< 0.5.0): ``get_model_bridge`` -> ours as well (nothing to preserve).
 
     Returns False (nothing registered) while the native model class cannot be imported.
     """
@@ -379,7 +375,12 @@ def _judge_load(
 
 
 def load_official_checkpoint(model_chunks: nn.Module | list[nn.Module], ckpt_dir: str | Path) -> LoadReport:
-    """Strictly load an official-layout V4 checkpoint into native model chunks (collective over all ranks)."""
+    """Strictly load an official-layout V4 checkpoint into native model chunks (collective over all ranks).
+
+    Strict load: every checkpoint tensor is loaded, or declared not loaded with a reason (``.scale`` companions consumed
+    by dequantization; ``mtp.*`` when the model has no MTP layer); every native parameter and persistent buffer is
+    filled; anything else raises one :class:`~impl.errors.CheckpointMappingError` listing all offenders. Validation
+    reads safetensors headers only and agrees across ranks before any collective, so a bad checkpoint never hangs."""
     chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
     ckpt = Path(ckpt_dir)
     headers, dups = read_headers(ckpt)

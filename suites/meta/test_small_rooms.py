@@ -58,14 +58,6 @@ def test_the_size_check_reports_a_long_function_and_a_long_module():
 
 
 MAX_MODULE_DOCSTRING_LINES = 6
-#: Modules whose docstrings wait for their mutation campaign to finish (a campaign's pending mutants keep the line
-#: positions they were listed at); each leaves this list when trimmed, and the test fails if one is trimmed but still
-#: listed.
-DOCSTRINGS_TO_TRIM = frozenset(
-    {
-        "impl/bridge/bridge.py",
-    }
-)
 
 
 def docstring_lines(source: str) -> int:
@@ -76,7 +68,5 @@ def docstring_lines(source: str) -> int:
 def test_every_module_docstring_of_the_implementation_says_what_and_why_in_a_few_lines():
     files = sorted((REPO_ROOT / "impl").rglob("*.py"))
     sizes = {p.relative_to(REPO_ROOT).as_posix(): docstring_lines(p.read_text()) for p in files}
-    long = {name: n for name, n in sizes.items() if n > MAX_MODULE_DOCSTRING_LINES and name not in DOCSTRINGS_TO_TRIM}
+    long = {name: n for name, n in sizes.items() if n > MAX_MODULE_DOCSTRING_LINES}
     assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move detail to the function): {long}"
-    trimmed = sorted(n for n in DOCSTRINGS_TO_TRIM if sizes.get(n, 0) <= MAX_MODULE_DOCSTRING_LINES)
-    assert not trimmed, f"trimmed or gone, drop them from DOCSTRINGS_TO_TRIM: {trimmed}"
