@@ -252,3 +252,42 @@ def test_an_unreadable_fingerprint_certifies_nothing_even_without_a_base(impl, e
     impl.validate_adapter_dir(adapter, require_certified=False)  # the bytes are the certified ones
     with pytest.raises(impl.AdapterValidationError, match="unreadable base fingerprint"):
         impl.validate_adapter_dir(adapter, require_certified=True)
+
+
+_FORWARD = re.compile(
+    r"max\|Δ\| merged (?P<merged>\S+), unmerged (?P<unmerged>\S+) \(tol (?P<tol>\S+)\); the adapter moves them by "
+    r"(?P<effect>\S+)$"
+)
+
+
+def test_the_forward_check_reloads_an_exported_adapter_within_the_rule_and_says_its_delta_is_visible(impl, exported):
+    """``forward``: PEFT's merged and unmerged reloads equal the base with ``W + s·B@A`` within the judge's rule, and
+    the adapter moves the logits by more than that tolerance (else equal logits would prove nothing); the judge's
+    own verdict is its row, passing."""
+    base, adapter = exported
+    result = impl.verify_adapter(base, adapter, forward=True)
+    rows = {c.name: c for c in result.checks}
+    assert result.ok and not result.problems, result.problems
+    assert rows["conformance"].passed is True, rows["conformance"].figure
+    forward = rows["forward"]
+    found = _FORWARD.search(forward.figure)
+    assert forward.passed is True and found, forward.figure
+    merged, unmerged, tol, effect = (float(found[k]) for k in ("merged", "unmerged", "tol", "effect"))
+    assert max(merged, unmerged) <= tol < effect, forward.figure
+
+
+def test_an_adapter_that_moves_nothing_is_inconclusive_in_the_forward_check_not_passed(impl, exported, tmp_path):
+    """All ``lora_B`` zero (an untrained adapter): the reload equals the base, which proves nothing about the delta,
+    so the forward row says inconclusive rather than passed."""
+
+    def untrain(adapter, base):
+        file = adapter / "adapter_model.safetensors"
+        tensors = {k: (v.zero_() if ".lora_B." in k else v) for k, v in load_file(str(file)).items()}
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata()
+        save_file(tensors, file, metadata=metadata)
+        (adapter / ".complete").unlink()
+
+    base, adapter = edited_copies(exported, tmp_path, untrain)
+    rows = {c.name: c for c in impl.verify_adapter(base, adapter, forward=True).checks}
+    assert rows["forward"].passed is None and rows["forward"].figure.startswith("inconclusive"), rows["forward"]
