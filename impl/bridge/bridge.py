@@ -133,13 +133,7 @@ class DeepseekV4ConversionBridge(MegatronModelBridge):
 # registration
 
 
-def _native_model_class() -> type:
-    from impl.native.model import DeepseekV4NativeModel
-
-    return DeepseekV4NativeModel
-
-
-def register() -> bool:
+def register() -> None:
     """Register with Megatron-Bridge's dispatch (idempotent).
 
     Registration and dispatch (Megatron-Bridge 0.6.2, ``models/decorators/dispatch.py``): ``register_bridge`` keys
@@ -156,20 +150,15 @@ def register() -> bool:
       ``(..., GPTModel)`` -> upstream.
     * pins without an upstream V4 bridge (< 0.5.0): ``get_model_bridge`` -> ours as well (nothing to preserve).
 
-    Returns False (nothing registered) while the native model class cannot be imported.
     """
-    try:
-        target = _native_model_class()
-    except ImportError:
-        return False
+    from impl.native.model import DeepseekV4NativeModel
+
     previous = registered_model_bridge(SOURCE)
-    ours_before = getattr(previous, "__name__", "") == f"_bridge_with_{DeepseekV4ConversionBridge.__name__}"
-    register_bridge_implementation(source=SOURCE, target=target, bridge_class=DeepseekV4ConversionBridge)
+    register_bridge_implementation(source=SOURCE, target=DeepseekV4NativeModel, bridge_class=DeepseekV4ConversionBridge)
     DeepseekV4ConversionBridge.SOURCE_NAME = SOURCE
     DeepseekV4ConversionBridge.MODEL_TYPE = "deepseek_v4"
-    if previous is not None and not ours_before:
-        restore_model_bridge(SOURCE, previous)  # keep upstream serving AutoBridge / GPTModel
-    return True
+    if previous is not None:  # keep upstream serving AutoBridge / GPTModel (restoring ours, if ours, changes nothing)
+        restore_model_bridge(SOURCE, previous)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,27 +192,15 @@ def _native_tensors(chunks: list[nn.Module]) -> list[_NativeTensor]:
 
 
 def _globalize(model: nn.Module, local: str) -> tuple[str, int | None]:
+    # PP needs nothing here: a stage registers its decoder layers under their global numbers (GlobalLayerList).
     parts = local.split(".")
-    n_experts = None
-    # PP: a decoder layer knows its global 0-based ``layer_number``.
-    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isascii() and parts[2].isdigit():
-        layer = model.get_submodule(".".join(parts[:3]))
-        parts[2] = str(getattr(layer, "layer_number", parts[2]))
+    if "local_experts" not in parts:
+        return local, None
     # EP: ``local_experts.{e}`` -> global ``offset + e``.
-    if "local_experts" in parts:
-        i = parts.index("local_experts")
-        experts = model.get_submodule(".".join(parts[:i]))
-        ep = _ep_size()  # the model was built under the current parallel state
-        n_local = int(getattr(experts, "num_local_experts", len(getattr(experts, "local_experts", []))))
-        n_experts = n_local * ep
-        parts[i + 1] = str(int(getattr(experts, "local_expert_offset", 0)) + int(parts[i + 1]))
-    return ".".join(parts), n_experts
-
-
-def _ep_size() -> int:
-    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_expert_model_parallel_world_size()
-    return 1
+    i = parts.index("local_experts")
+    experts = model.get_submodule(".".join(parts[:i]))
+    parts[i + 1] = str(experts.local_expert_offset + int(parts[i + 1]))
+    return ".".join(parts), experts.num_experts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,13 +260,6 @@ def _expected_official_shapes(nt: _NativeTensor, row: MappingRow, mapping: Megat
     return [local]
 
 
-def _shape_ok(row: MappingRow, expected: tuple, got: tuple, local: tuple) -> bool:
-    if row.semantics == "vocab" and len(got) == len(expected) and got[1:] == expected[1:]:
-        # the native vocab may be padded to a TP-divisible size (ColumnParallelMapping pads on load)
-        return expected[0] - local[0] < got[0] <= expected[0]
-    return expected == got
-
-
 def _all_gather(obj: Any) -> list[Any]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         out: list[Any] = [None] * dist.get_world_size()
@@ -322,7 +292,7 @@ def _plan_load(
                 ok = False
                 continue
             got = effective_shape(off, headers)
-            if not _shape_ok(row, exp, got, tuple(nt.tensor.shape)):
+            if got != exp:  # the native vocabulary is never padded: validate_parallel_layout wants TP to divide it
                 offenders.append(f"mis-shaped {off}: expected shape {exp}, got {got} (native {nt.name})")
                 ok = False
             consumed.add(off)
@@ -524,19 +494,10 @@ def export_merged_state(
         if not name_a.endswith(suffix_a):
             continue
         stem = name_a[: -len(suffix_a)]
-        b = adapter.tensors.get(stem + suffix_b)
-        hit = lookup_native(stem + ".weight")
-        if b is None or hit is None or hit[1].is_gated:
-            why = "has no lora_B half" if b is None else "is not a LoRA-able base weight in impl.conversion.mapping"
-            raise CheckpointMappingError(f"cannot merge adapter {stem}: {stem + '.weight'} {why}")
-        _, _, (off,) = hit
+        # apply_lora wraps ungated attention projections only: each A has its B and one official base weight.
+        _, _, (off,) = lookup_native(stem + ".weight")
         base = state[off]
-        delta = b.to(torch.float32) @ a.to(torch.float32)
-        if delta.shape != base.shape:
-            raise CheckpointMappingError(
-                f"cannot merge adapter {stem} into {off}: B@A has shape {tuple(delta.shape)}, the base weight "
-                f"{tuple(base.shape)}"
-            )
+        delta = adapter.tensors[stem + suffix_b].to(torch.float32) @ a.to(torch.float32)
         merged = base.to(torch.float32) + scale * delta.to(base.device)
         state[off] = merged.to(dtype or base.dtype)
     return state

@@ -173,6 +173,7 @@ class V4Experts(nn.Module):
         recompute_activation: bool = False,
     ) -> None:
         super().__init__()
+        self.num_experts = config.n_routed_experts
         self.num_local_experts = expert_parallel_layout(config, ep_size)
         self.local_expert_offset = ep_rank * self.num_local_experts
         self.local_experts = nn.ModuleList(

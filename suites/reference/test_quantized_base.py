@@ -56,6 +56,24 @@ def test_reference_dequantization_equals_megatron_bridges_dequantizer(impl, quan
         )
 
 
+def test_megatron_bridges_own_loader_reads_quantized_weights_dequantized_through_our_bridge(impl, quantized):
+    """Bridge's loader (AutoBridge's path where no upstream V4 bridge is registered) asks the bridge for each loaded
+    weight: ours hands it dequantized, equal to the independent dequantization in Bridge's bfloat16, never the raw
+    FP8 / MXFP4 bytes."""
+    variant, _, state = quantized
+    reference = dequantize_state(state)
+    bridge = impl.DeepseekV4ConversionBridge()
+    names = [n for n, t in state.items() if t.dtype in (torch.float8_e4m3fn, torch.int8)][:4]
+    for name in names:
+        got = bridge.maybe_modify_loaded_hf_weight(name, state)
+        assert got.dtype == torch.bfloat16, f"{variant}: {name} loaded as {got.dtype}, not dequantized to bfloat16"
+        ah.assert_bitwise_equal(got, reference[name].to(torch.bfloat16), name=name, context=variant)
+    pair = {"a": names[0], "b": names[1]}
+    got = bridge.maybe_modify_loaded_hf_weight(pair, state)
+    for key, name in pair.items():
+        ah.assert_bitwise_equal(got[key], reference[name].to(torch.bfloat16), name=name, context=f"{variant}, a pair")
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
 def test_sharded_load_equals_the_dequantized_values_on_every_rank(impl, quantized, layout):
@@ -170,7 +188,7 @@ def _lora_on_quantized(impl, quantized):
     return variant, state, model, handle
 
 
-@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["base-dtype", "bfloat16"])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float32], ids=["base-dtype", "bfloat16", "float32"])
 def test_merged_export_from_a_quantized_base_is_the_fp32_merge_cast_once(impl, quantized, out_dtype):
     """Each targeted weight == (dequant(W) + (alpha/r) B@A) in fp32, cast once (to the base dtype, or the requested
     one: a bf16 merge rounds W, the delta and their sum, one cast rounds once); every other tensor is untouched."""
