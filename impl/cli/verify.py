@@ -202,12 +202,10 @@ def _forward_check(base: Path, adapter: Path, modules, res: VerifyResult) -> Ver
         unmerged = load_peft_adapter(base_model(base), adapter).eval()(ids).logits.float()
     tol = LOGIT_RULE.tolerance(want)
     observed = {"merged": max_abs(merged, want), "unmerged": max_abs(unmerged, want)}
-    for mode, diff in observed.items():
-        if diff > tol:
-            res.problems.append(
-                f"forward: PEFT {mode} logits differ from W + s*B@A by {diff:.2e} (tolerance {tol:.1e})"
-            )
-    ok = all(diff <= tol for diff in observed.values())
+    failing = {mode: diff for mode, diff in observed.items() if not diff <= tol}  # NaN fails too
+    for mode, diff in failing.items():
+        res.problems.append(f"forward: PEFT {mode} logits differ from W + s*B@A by {diff:.2e} (tolerance {tol:.1e})")
+    ok = not failing
     effect = max_abs(want, plain)
     figure = f"max|Δ| merged {observed['merged']:.2e}, unmerged {observed['unmerged']:.2e} (tol {tol:.1e})"
     if ok and effect <= tol:  # e.g. an untrained adapter (lora_B = 0): equal logits prove nothing about the delta

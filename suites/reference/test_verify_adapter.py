@@ -21,6 +21,7 @@ from fixtures.data.verify_cases import (
     R,
     edited_copies,
     exported_pair,
+    with_config,
 )
 from tiny_models.oracle import write_checkpoint
 from tiny_models.presets import get_preset
@@ -295,3 +296,97 @@ def test_an_adapter_that_moves_nothing_is_inconclusive_in_the_forward_check_not_
     rows = {c.name: c for c in result.checks}
     assert rows["forward"].passed is None and rows["forward"].figure.startswith("inconclusive"), rows["forward"]
     assert result.ok and result.uncertified is not None, "an inconclusive row fails nothing; no .complete: uncertified"
+
+
+def test_a_refused_strict_result_still_answers_whether_it_is_uncertified(impl, exported, tmp_path):
+    """Certification required and no ``.complete``: the provenance row fails, naming what is missing, and
+    ``uncertified`` can still be read off the refused result (it never raises, and claims nothing it did not find)."""
+    base, adapter = edited_copies(exported, tmp_path, lambda adapter, base: (adapter / ".complete").unlink())
+    strict = impl.verify_adapter(base, adapter, require_certified=True)
+    row = next(c for c in strict.checks if c.name == "provenance")
+    assert not strict.ok and row.passed is False, (strict.problems, row)
+    assert strict.uncertified is None or "no .complete" in strict.uncertified, strict.uncertified
+
+
+@pytest.mark.parametrize("case", JUDGED)
+def test_the_judges_problems_are_not_listed_again_beside_the_checks_own(impl, exported, tmp_path, case):
+    """Where the checks above the judge found problems, the judge's are the same causes seen twice: its row fails,
+    quoting one, and the problem list holds no ``conformance:`` line."""
+    tamper, _ = TAMPER[case]
+    base, adapter = edited_copies(exported, tmp_path, tamper)
+    result = impl.verify_adapter(base, adapter, judge=True)
+    row = next(c for c in result.checks if c.name == "conformance")
+    assert row.passed is False and ", e.g. " in row.figure, f"{case}: the judge's row: {row}"
+    repeated = [p for p in result.problems if p.startswith("conformance:")]
+    assert not repeated, f"{case}: the judge's problems listed again: {repeated}"
+
+
+def test_a_problem_only_the_conformance_judge_sees_is_listed_and_fails_its_row(impl, exported, tmp_path):
+    """``lora_alpha`` Infinity (what ``json.dumps`` writes for an infinite float) passes the checks above the judge;
+    the judge refuses it: its row fails and its problem is listed, prefixed ``conformance:``."""
+    base, adapter = edited_copies(exported, tmp_path, with_config(lora_alpha=float("inf")))
+    result = impl.verify_adapter(base, adapter, judge=True)
+    row = next(c for c in result.checks if c.name == "conformance")
+    listed = [p for p in result.problems if p.startswith("conformance:") and "lora_alpha" in p]
+    assert row.passed is False and not result.ok, f"the judge's row passed lora_alpha=inf: {row}"
+    assert listed, f"the judge's lora_alpha problem is not listed: {result.problems}"
+
+
+def test_an_adapter_peft_refuses_to_load_fails_the_forward_check_naming_peft_s_reason(impl, exported, tmp_path):
+    """``layers_to_transform`` beside a regular-expression ``target_modules``: every file check passes, PEFT refuses
+    to load it. The forward check cannot run; that is a finding, never an exception: its row fails and the problem
+    says why."""
+    base, adapter = edited_copies(exported, tmp_path, with_config(layers_to_transform=[0]))
+    result = impl.verify_adapter(base, adapter, forward=True)
+    row = next(c for c in result.checks if c.name == "forward")
+    said = [p for p in result.problems if "forward check could not run" in p and "layers_to_transform" in p]
+    assert row.passed is False and not result.ok, f"the forward row of an adapter PEFT refuses: {row}"
+    assert said, f"PEFT's refusal is not named: {result.problems}"
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_adapter_peft_reloads_onto_a_rewritten_base_fails_the_forward_check_naming_each_reload(
+    impl, exported, tmp_path, init
+):
+    """A PiSSA / OLoRA adapter saved unconverted: PEFT's reload subtracts its initial delta from the base weights, so
+    neither reload is ``W + s*B@A`` though every file check passes. The forward row fails and each reload's difference
+    is a problem of its own."""
+    base, adapter = edited_copies(exported, tmp_path, with_config(init_lora_weights=init))
+    result = impl.verify_adapter(base, adapter, forward=True)
+    row = next(c for c in result.checks if c.name == "forward")
+    assert row.passed is False and not result.ok, f"{init}: the forward row passed a rewritten base: {row}"
+    for mode in ("merged", "unmerged"):
+        said = [p for p in result.problems if p.startswith(f"forward: PEFT {mode} logits differ from W + s*B@A")]
+        assert said, f"{init}: the {mode} reload's difference is not listed: {result.problems}"
+
+
+def test_an_adapter_whose_delta_overflows_float32_fails_the_forward_check(impl, exported, tmp_path):
+    """Finite LoRA halves of 1e30 pass every file check, but ``s*B@A`` is infinite in float32 and the logits are not
+    numbers: no comparison holds, so the forward row fails and the adapter with it."""
+
+    def overflow(adapter, base):
+        file = adapter / "adapter_model.safetensors"
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata()
+        save_file({k: v.fill_(1e30) for k, v in load_file(str(file)).items()}, file, metadata=metadata)
+        (adapter / ".complete").unlink()
+
+    base, adapter = edited_copies(exported, tmp_path, overflow)
+    result = impl.verify_adapter(base, adapter, forward=True)
+    row = next(c for c in result.checks if c.name == "forward")
+    assert row.passed is False, f"the forward row of an overflowing adapter: {row}"
+    assert not result.ok, f"an adapter whose logits are NaN passed: {row}"
+    listed = [p for p in result.problems if p.startswith("forward: PEFT merged logits differ")]
+    assert listed, f"the NaN comparison is not listed among the problems: {result.problems}"
+
+
+def test_the_forward_check_runs_on_a_base_of_a_small_vocabulary(impl, tmp_path):
+    """The forward check's batch of token ids is drawn from the base's own vocabulary, however small: on a 16-token
+    base it runs and the exported adapter passes."""
+    config = get_preset(PRESET)
+    config.vocab_size = 16
+    base = write_checkpoint(config, tmp_path / "base", seed=2)
+    adapter = export_fingerprinted_adapter(impl, base, tmp_path / "adapter", config, r=R, alpha=ALPHA)
+    result = impl.verify_adapter(base, adapter, forward=True)
+    row = next(c for c in result.checks if c.name == "forward")
+    assert result.ok and row.passed is not False, (row, result.problems)

@@ -402,3 +402,36 @@ def test_a_pattern_key_that_is_no_regular_expression_gets_a_verdict_naming_the_a
     assert not any("could not be checked" in p for p in result.problems), result.problems
     with pytest.raises(impl.AdapterValidationError, match=re.escape(f"{field} key '(unclosed'")):
         impl.validate_adapter_dir(adapter, require_complete=False)
+
+
+#: transformers' leaf of each shared-expert projection -> the official weight it adapts
+SHARED_EXPERT_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def test_a_transformers_lora_on_a_shared_experts_three_projections_is_judged_by_its_kind_alone(
+    impl, exported, tmp_path
+):
+    """transformers names w1, w3 and w2 gate_proj, up_proj and down_proj: a regex selecting exactly the three, with
+    tensors for each, selects what the adapter holds; the kind is the one problem, listing all three."""
+    base = exported[0]
+    modules = {
+        f"model.layers.0.mlp.shared_experts.{leaf}": base_shape(base, f"layers.0.ffn.shared_experts.{w}.weight")
+        for leaf, w in SHARED_EXPERT_PROJECTIONS.items()
+    }
+    selects = r"model\.layers\.0\.mlp\.shared_experts\.(gate|up|down)_proj"
+    problems = impl.verify_adapter(base, peft_adapter(tmp_path / "a", modules, selects)).problems
+    kind = "3 modules are shared expert modules (shared_experts.w1, shared_experts.w2, shared_experts.w3)"
+    assert len(problems) == 1 and problems[0].startswith(kind), f"the shared experts' problems: {problems}"
+
+
+def test_an_official_naming_adapter_is_judged_by_the_file_checks_alone(impl, exported, tmp_path):
+    """The conformance judge and the forward check read transformers' naming (what PEFT loads): for a sound adapter
+    in the official naming (vLLM's) their rows say n/a, and the adapter passes."""
+    base = exported[0]
+    modules = {"layers.0.attn.wq_a": base_shape(base, "layers.0.attn.wq_a.weight")}
+    adapter = peft_adapter(tmp_path / "a", modules, r"layers\.0\.attn\.wq_a")
+    result = impl.verify_adapter(base, adapter, judge=True, forward=True)
+    rows = {c.name: c for c in result.checks}
+    assert result.ok and not result.problems, f"a sound official-naming adapter: {result.problems}"
+    for name in ("conformance", "forward"):
+        assert rows[name].passed is None and rows[name].figure.startswith("only for"), f"{name}: {rows[name]}"
