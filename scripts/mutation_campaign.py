@@ -43,7 +43,7 @@ from fixtures.mutations.campaign import (  # noqa: E402  (the repository root go
     in_annotation,
 )
 from fixtures.mutations.campaign_refresh import StaleSession, check_current, refresh, snapshot_of  # noqa: E402
-from fixtures.mutations.campaign_report import REPORT, write_report  # noqa: E402
+from fixtures.mutations.campaign_report import REPORT, record_run, write_report  # noqa: E402
 from fixtures.runner.impl_copy import copy_implementation  # noqa: E402
 from fixtures.runner.warm_pytest import pytest_on_copy  # noqa: E402
 
@@ -131,17 +131,18 @@ def run_module(module: CampaignModule, work: Path, timeout: float, limit: int | 
             file=sys.stderr,
         )
     annotations = annotation_spans(module_file.read_text())
+    started, ran = time.monotonic(), 0
     _control(module, copy.path, timeout)
     with use_db(str(db_path), WorkDB.Mode.open) as db:
         pending = list(db.pending_work_items)
         if rng is not None:
             pending = rng.sample(pending, min(limit or len(pending), len(pending)))
-        started = time.monotonic()
         for n, item in enumerate(pending, 1):
             why = _skip_reason(item, annotations)
             if why is not None:
                 db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output=why))
                 continue
+            ran += 1
             result = _run_one(item, module.tests, copy.path, timeout)
             db.set_result(item.job_id, result)
             before, after = changed_lines(result.diff or "")
@@ -150,6 +151,8 @@ def run_module(module: CampaignModule, work: Path, timeout: float, limit: int | 
                 f"({time.monotonic() - started:.0f}s): {before} -> {after}",
                 file=sys.stderr,
             )
+    if limit is None and ran:
+        record_run(module.path, time.monotonic() - started, ran)
 
 
 def _forget_survivors(module: CampaignModule, db_path: Path) -> None:

@@ -14,7 +14,14 @@ from fixtures.mutations.campaign import (
     excluded_operator,
     in_annotation,
 )
-from fixtures.mutations.campaign_report import REPORT, campaigned, listed_survivors
+from fixtures.mutations.campaign_report import (
+    FIRST_FAILURE,
+    REPORT,
+    campaigned,
+    killed_before,
+    listed_survivors,
+    recorded_seconds,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -142,3 +149,18 @@ def test_every_test_a_campaign_row_names_is_collected():
     result = subprocess.run(args, capture_output=True, text=True, timeout=600)
     missing = [line for line in (result.stdout + result.stderr).splitlines() if "not found" in line]
     assert result.returncode == 0 and not missing, missing or result.stdout[-2000:]
+
+
+def test_every_recorded_time_is_of_a_campaign_module():
+    known = {m.path for m in MODULES}
+    stray = sorted(set(recorded_seconds()) - known)
+    assert not stray, f"campaign_times.toml records runs of modules the campaign does not have: {stray}"
+
+
+def test_a_kill_counts_as_before_only_when_its_first_failing_test_is_an_old_one():
+    old = frozenset({"test_old"})
+    tail = "=== short test summary info ===\nFAILED suites/x.py::{}[p1] - AssertionError\n1 failed in 2s"
+    assert killed_before(tail.format("test_old"), old)
+    assert not killed_before(tail.format("test_new"), old)
+    assert FIRST_FAILURE.search("ERROR suites/x.py::test_new - fixture").group(1) == "test_new"
+    assert killed_before("timed out after 300s", old), "a hang is noticed by any run"
