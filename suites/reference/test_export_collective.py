@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,95 +19,26 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.data.adapter_states import attention_shapes, make_native_adapter, snapshot_tree
+from fixtures.data.adapter_states import make_native_adapter, snapshot_tree
+from fixtures.ranks.export_rank_fns import (
+    EXCHANGE_TIMEOUT_S,
+    KILL_EXCHANGE_TIMEOUT_S,
+    KILL_GRACE_S,
+    PHASES,
+    SHAPES,
+    MatrixCase,
+    OutcomeCase,
+    adapter_state,
+    matrix,
+    rank_export_matrix,
+    survivors_of,
+    validity,
+)
 from fixtures.ranks.faults import phases_with_fault
 from fixtures.runner.impl_loader import load_impl
 from fixtures.runner.multirank import RankFailure, run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
-
-#: The export protocol's phases, in order (the implementation's EXPORT_PHASES must name exactly these).
-PHASES = ("gather", "serialize", "write", "fsync", "validate", "publish", "marker", "commit")
-EXCHANGE_TIMEOUT_S = 10.0
-#: the exchange timeout of the kill tests: above what one phase's file I/O (an fsync) takes on a loaded 2-core host,
-#: where 1 s let an exchange before the killed phase time out first
-KILL_EXCHANGE_TIMEOUT_S = 3.0
-#: how long the runner waits for the survivors' reports after the kill (it waits only until they have all
-#: reported): detection, then a lost writer's recovery and the test's own reads, on a loaded host
-KILL_GRACE_S = 30.0
-SHAPES = attention_shapes(hidden=64, q_lora=48, heads=4, head_dim=32, o_groups=2, o_lora=16)
-
-
-def matrix(world_size: int) -> list[tuple[str, int, str]]:
-    """(case id, failing rank, phase). Peers run no code in ``commit`` (after the commit point only the writer
-    acts), so that phase is injected on the writer only."""
-    return [(f"ws{world_size}-rank{r}-{p}", r, p) for r in range(world_size) for p in PHASES if p != "commit" or r == 0]
-
-
-@dataclass(frozen=True)
-class MatrixCase:
-    impl: str  # the implementation under test, by module name
-    root: str
-    world_size: int
-    kill: tuple[int, str] | None = None  # (rank, phase) to SIGKILL instead of the matrix
-
-
-def _state(api, rank: int, seed: int):
-    # Every rank runs the gather; only the writer (rank 0) returns the gathered state.
-    if rank != 0:
-        return None
-    return api.AdapterState(make_native_adapter(SHAPES, 2, 4, seed=seed), r=4, alpha=8.0, targets=tuple(SHAPES))
-
-
-def _rank_export_matrix(rank: int, world_size: int, case: MatrixCase) -> list[dict]:
-    import torch.distributed as dist
-
-    api = load_impl(case.impl, prepare=False)
-    root = Path(case.root)
-    existing, fresh = root / "existing" / "adapter", root / "fresh" / "adapter"
-    api.export_adapter(lambda: _state(api, rank, 0), existing, timeout_s=EXCHANGE_TIMEOUT_S)
-    dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
-    cases = (
-        [(f"ws{world_size}-kill-rank{case.kill[0]}-{case.kill[1]}", *case.kill)] if case.kill else matrix(world_size)
-    )
-    timeout = KILL_EXCHANGE_TIMEOUT_S if case.kill else EXCHANGE_TIMEOUT_S
-    results = []
-    for i, (case_id, fail_rank, phase) in enumerate(cases):
-        dest = existing if i % 2 == 0 else fresh  # alternate: replacing an earlier export / no earlier export
-        before = snapshot_tree(dest)
-        exc = None if case.kill else OSError(f"writer failed ({case_id})")
-        error, started = None, time.monotonic()
-        phases = phases_with_fault(api.EXPORT_PHASES, phase, fail_rank, exc)
-        try:
-            api.export_adapter(lambda seed=i + 1: _state(api, rank, seed), dest, timeout_s=timeout, phases=phases)
-        except api.CollectiveExportError as err:
-            error = str(err)
-        elapsed = time.monotonic() - started
-        if not case.kill:
-            dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))  # the group must still work
-        after = snapshot_tree(dest)
-        valid = None  # judged only by the kill tests; the matrix compares snapshots
-        if case.kill:
-            try:
-                api.validate_adapter_dir(dest)
-                valid = "valid"
-            except Exception as err:  # reported, judged by the test
-                valid = f"{type(err).__name__}: {err}"
-        results.append(
-            {
-                "id": case_id,
-                "error": error,
-                "elapsed": elapsed,
-                "unchanged": before == after,
-                "changed": sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)),
-                "complete": (dest / api.COMPLETE_MARKER).exists(),
-                "valid": valid,
-                "leftovers": sorted(p.name for p in dest.parent.glob(f".{dest.name}.dsv4-*")),
-                "megatron": sorted(m for m in sys.modules if m.split(".")[0] == "megatron")[:3],
-            }
-        )
-    return results
-
 
 _WORLD_SIZES = (1, 2, 4, 8)
 
@@ -125,7 +55,7 @@ def matrix_results(impl, nproc: int, tmp_path_factory: pytest.TempPathFactory) -
         if ws > max(nproc, 4):
             continue
         root = tmp_path_factory.mktemp(f"export-ws{ws}")
-        results = run_ranks(_rank_export_matrix, MatrixCase(impl.name, str(root), ws), nproc=ws, timeout_s=240)
+        results = run_ranks(rank_export_matrix, MatrixCase(impl.name, str(root), ws), nproc=ws, timeout_s=240)
         out[ws] = [r.payload for r in results]
     return out
 
@@ -179,15 +109,6 @@ def test_matrix_case_count(matrix_results) -> None:
     print(f"export fault matrix: {counts} = {sum(counts.values())} cases")
 
 
-def _survivors(results: list, kill_rank: int) -> list:
-    """Every rank but the killed one, each of which must have reported (the runner stops a rank still running when
-    the grace after the kill ends, and counts it as collateral)."""
-    survivors = [r for r in results if r.rank != kill_rank]
-    silent = [r.rank for r in survivors if r.payload is None]
-    assert not silent, f"rank(s) {silent} never reported within {KILL_GRACE_S:g}s of rank {kill_rank}'s death"
-    return survivors
-
-
 @pytest.mark.parametrize(
     "world_size,kill_rank,phase",
     [
@@ -199,14 +120,14 @@ def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing
     impl, tmp_path: Path, world_size: int, kill_rank: int, phase: str
 ) -> None:
     results = run_ranks(
-        _rank_export_matrix,
+        rank_export_matrix,
         MatrixCase(impl.name, str(tmp_path), world_size, kill=(kill_rank, phase)),
         nproc=world_size,
         timeout_s=60,
         expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),
         grace_s=KILL_GRACE_S,
     )
-    survivors = _survivors(results, kill_rank)
+    survivors = survivors_of(results, kill_rank)
     for r in survivors:
         (c,) = r.payload
         assert c["error"] is not None, f"rank {r.rank} did not raise after rank {kill_rank} died"
@@ -235,14 +156,14 @@ def test_a_rank_lost_after_the_commit_point_is_reported_and_the_committed_export
     naming the lost rank, but it says the adapter WAS committed (or, for a lost writer, that the destination is
     the new export or the old one), and the destination is the new complete export with no sidecars left."""
     results = run_ranks(
-        _rank_export_matrix,
+        rank_export_matrix,
         MatrixCase(impl.name, str(tmp_path), world_size, kill=(kill_rank, "commit")),
         nproc=world_size,
         timeout_s=60,
         expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),
         grace_s=KILL_GRACE_S,
     )
-    survivors = _survivors(results, kill_rank)
+    survivors = survivors_of(results, kill_rank)
     cleaner = 0 if kill_rank != 0 else 1  # the writer, or the survivor that recovers for a lost writer
     for r in survivors:
         (c,) = r.payload
@@ -277,20 +198,16 @@ def _rank_export_after_the_store_host_died(rank: int, world_size: int, case: Sto
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))  # fmt: skip
     dest = Path(case.root) / "adapter"
-    api.export_adapter(lambda: _state(api, rank, 0), dest, timeout_s=EXCHANGE_TIMEOUT_S)
+    api.export_adapter(lambda: adapter_state(api, rank, 0), dest, timeout_s=EXCHANGE_TIMEOUT_S)
     dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
     if rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     error, started = None, time.monotonic()
     try:
-        api.export_adapter(lambda: _state(api, rank, 1), dest, timeout_s=KILL_EXCHANGE_TIMEOUT_S)
+        api.export_adapter(lambda: adapter_state(api, rank, 1), dest, timeout_s=KILL_EXCHANGE_TIMEOUT_S)
     except api.CollectiveExportError as err:
         error = str(err)
-    try:
-        api.validate_adapter_dir(dest)
-        valid = "valid"
-    except Exception as err:  # judged by the test
-        valid = f"{type(err).__name__}: {err}"
+    valid = validity(api, dest)
     return {"error": error, "elapsed": time.monotonic() - started, "valid": valid}
 
 
@@ -306,7 +223,7 @@ def test_a_dead_store_host_is_named_by_every_survivor_and_the_earlier_export_sta
         expect=RankFailure(rank=0, signal=signal.SIGKILL),
         grace_s=KILL_GRACE_S,
     )
-    (survivor,) = _survivors(results, 0)
+    (survivor,) = survivors_of(results, 0)
     said = survivor.payload["error"]
     assert said is not None, "rank 1 exported after rank 0 and its store died"
     assert f"rank 0: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s in phase gather" in said, said
@@ -319,7 +236,7 @@ def test_without_a_process_group_the_export_is_rank_0_of_a_world_of_one(impl, tm
     """Called in a process with no process group, the export is a world of one: that process writes the adapter,
     names itself rank 0 when a phase fails, and refuses any other writer rank."""
     out = tmp_path / "adapter"
-    state = _state(impl, 0, seed=0)
+    state = adapter_state(impl, 0, seed=0)
     assert str(impl.export_adapter(state, out, timeout_s=EXCHANGE_TIMEOUT_S)) == str(out)
     impl.validate_adapter_dir(out)
     failing = _failing_everywhere(impl.EXPORT_PHASES, "write", OSError("disk full"))
@@ -336,12 +253,6 @@ HANG_S = KILL_EXCHANGE_TIMEOUT_S + 1.5
 #: wait of a second or two (FileStore's wait, the file:// rendezvous, rounds its timeout up to the next whole second),
 #: far inside the exchange timeout its peers wait with
 SLOW_S = 3.5
-
-
-@dataclass(frozen=True)
-class OutcomeCase:
-    impl: str
-    root: str
 
 
 def _failing_everywhere(phases, name: str, exc: BaseException):
