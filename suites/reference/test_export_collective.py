@@ -23,7 +23,6 @@ from fixtures.data.adapter_states import make_native_adapter, snapshot_tree
 from fixtures.ranks.export_rank_fns import (
     EXCHANGE_TIMEOUT_S,
     KILL_EXCHANGE_TIMEOUT_S,
-    KILL_GRACE_S,
     PHASES,
     SHAPES,
     MatrixCase,
@@ -31,12 +30,12 @@ from fixtures.ranks.export_rank_fns import (
     adapter_state,
     matrix,
     rank_export_matrix,
-    survivors_of,
+    survivors_of_a_kill,
     validity,
 )
 from fixtures.ranks.faults import phases_with_fault
 from fixtures.runner.impl_loader import load_impl
-from fixtures.runner.multirank import RankFailure, run_ranks
+from fixtures.runner.multirank import run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
@@ -119,15 +118,12 @@ def test_matrix_case_count(matrix_results) -> None:
 def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing_is_published(
     impl, tmp_path: Path, world_size: int, kill_rank: int, phase: str
 ) -> None:
-    results = run_ranks(
+    survivors = survivors_of_a_kill(
         rank_export_matrix,
         MatrixCase(impl.name, str(tmp_path), world_size, kill=(kill_rank, phase)),
         nproc=world_size,
-        timeout_s=60,
-        expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),
-        grace_s=KILL_GRACE_S,
+        killed=kill_rank,
     )
-    survivors = survivors_of(results, kill_rank)
     for r in survivors:
         (c,) = r.payload
         assert c["error"] is not None, f"rank {r.rank} did not raise after rank {kill_rank} died"
@@ -155,15 +151,12 @@ def test_a_rank_lost_after_the_commit_point_is_reported_and_the_committed_export
     """Killed in the commit phase, after the writer's commit rename: the survivors still raise the same error
     naming the lost rank, but it says the adapter WAS committed (or, for a lost writer, that the destination is
     the new export or the old one), and the destination is the new complete export with no sidecars left."""
-    results = run_ranks(
+    survivors = survivors_of_a_kill(
         rank_export_matrix,
         MatrixCase(impl.name, str(tmp_path), world_size, kill=(kill_rank, "commit")),
         nproc=world_size,
-        timeout_s=60,
-        expect=RankFailure(rank=kill_rank, signal=signal.SIGKILL),
-        grace_s=KILL_GRACE_S,
+        killed=kill_rank,
     )
-    survivors = survivors_of(results, kill_rank)
     cleaner = 0 if kill_rank != 0 else 1  # the writer, or the survivor that recovers for a lost writer
     for r in survivors:
         (c,) = r.payload
@@ -215,15 +208,9 @@ def test_a_dead_store_host_is_named_by_every_survivor_and_the_earlier_export_sta
     """Under torchrun's rendezvous rank 0 hosts the group's store: when it dies, the store goes too. The survivor's
     export still raises the collective error, naming rank 0 as the dead or hung store host within the timeout,
     and the earlier export stays complete and valid."""
-    results = run_ranks(
-        _rank_export_after_the_store_host_died,
-        StoreHostCase(impl.name, str(tmp_path)),
-        nproc=2,
-        timeout_s=60,
-        expect=RankFailure(rank=0, signal=signal.SIGKILL),
-        grace_s=KILL_GRACE_S,
+    (survivor,) = survivors_of_a_kill(
+        _rank_export_after_the_store_host_died, StoreHostCase(impl.name, str(tmp_path)), nproc=2, killed=0
     )
-    (survivor,) = survivors_of(results, 0)
     said = survivor.payload["error"]
     assert said is not None, "rank 1 exported after rank 0 and its store died"
     assert f"rank 0: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s in phase gather" in said, said

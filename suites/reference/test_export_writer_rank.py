@@ -4,7 +4,6 @@ state and destination are passed) are refused or accepted before anything is wri
 
 from __future__ import annotations
 
-import signal
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from fixtures.data.adapter_states import make_native_adapter, snapshot_tree
 from fixtures.ranks.export_rank_fns import (
     EXCHANGE_TIMEOUT_S,
     KILL_EXCHANGE_TIMEOUT_S,
-    KILL_GRACE_S,
     PHASES,
     SHAPES,
     MatrixCase,
@@ -22,12 +20,12 @@ from fixtures.ranks.export_rank_fns import (
     adapter_state,
     rank_export_matrix,
     renamed_phases,
-    survivors_of,
+    survivors_of_a_kill,
     validity,
 )
 from fixtures.ranks.faults import phases_with_fault
 from fixtures.runner.impl_loader import load_impl
-from fixtures.runner.multirank import RankFailure, run_ranks
+from fixtures.runner.multirank import run_ranks
 
 pytestmark = [pytest.mark.cpu, pytest.mark.multirank]
 
@@ -48,15 +46,12 @@ def test_a_lost_writer_other_than_rank_0_is_stood_in_for_by_the_lowest_surviving
     export stands valid and the error says it is the new export or the old one (told by the phase's name, here under
     a table whose names equal the protocol's but were built at run time). Either way no sidecar is left."""
     writer = 1
-    results = run_ranks(
+    (stand_in,) = survivors_of_a_kill(
         rank_export_matrix,
         MatrixCase(impl.name, str(tmp_path), 2, kill=(writer, phase), writer=writer, renamed=renamed),
         nproc=2,
-        timeout_s=60,
-        expect=RankFailure(rank=writer, signal=signal.SIGKILL),
-        grace_s=KILL_GRACE_S,
+        killed=writer,
     )
-    (stand_in,) = survivors_of(results, writer)
     (c,) = stand_in.payload
     assert c["error"] is not None, f"rank 0 did not raise after the writer (rank {writer}) died in phase {phase}"
     lost = f"rank {writer}: no response within {KILL_EXCHANGE_TIMEOUT_S:g}s in phase {phase} (dead or hung)"
@@ -247,15 +242,9 @@ def test_only_the_lowest_surviving_rank_stands_in_for_a_lost_writer(impl, tmp_pa
     """Three ranks, the writer (rank 0) killed after publishing: rank 1, the lowest survivor, restores the earlier
     export (complete, valid, no sidecar left), and rank 2 leaves its own view of the destination alone (on a
     node-local disk it holds other files): one rank stands in, never every survivor."""
-    results = run_ranks(
-        _rank_export_with_a_lost_writer_and_local_views,
-        OutcomeCase(impl.name, str(tmp_path)),
-        nproc=3,
-        timeout_s=60,
-        expect=RankFailure(rank=0, signal=signal.SIGKILL),
-        grace_s=KILL_GRACE_S,
+    stand_in, other = survivors_of_a_kill(
+        _rank_export_with_a_lost_writer_and_local_views, OutcomeCase(impl.name, str(tmp_path)), nproc=3, killed=0
     )
-    stand_in, other = survivors_of(results, 0)
     for r in (stand_in, other):
         said = r.payload["error"]
         assert said is not None, f"rank {r.rank} did not raise after the writer (rank 0) died in phase publish"
