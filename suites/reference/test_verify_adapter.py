@@ -299,13 +299,16 @@ def test_an_adapter_that_moves_nothing_is_inconclusive_in_the_forward_check_not_
 
 
 def test_a_refused_strict_result_still_answers_whether_it_is_uncertified(impl, exported, tmp_path):
-    """Certification required and no ``.complete``: the provenance row fails, naming what is missing, and
-    ``uncertified`` can still be read off the refused result (it never raises, and claims nothing it did not find)."""
+    """No ``.complete``: without certification required the adapter passes and ``uncertified`` says why; with it
+    required the provenance row fails, and ``uncertified`` can still be read off the refused result: None, since a
+    failed row is a refusal, not an uncertified pass (it never raises)."""
     base, adapter = edited_copies(exported, tmp_path, lambda adapter, base: (adapter / ".complete").unlink())
+    lenient = impl.verify_adapter(base, adapter)
+    assert lenient.ok and lenient.uncertified and ".complete" in lenient.uncertified, lenient.uncertified
     strict = impl.verify_adapter(base, adapter, require_certified=True)
     row = next(c for c in strict.checks if c.name == "provenance")
     assert not strict.ok and row.passed is False, (strict.problems, row)
-    assert strict.uncertified is None or "no .complete" in strict.uncertified, strict.uncertified
+    assert strict.uncertified is None, f"a refused provenance row reads as uncertified: {strict.uncertified!r}"
 
 
 @pytest.mark.parametrize("case", JUDGED)
