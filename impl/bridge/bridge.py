@@ -149,7 +149,6 @@ def register() -> None:
       ``stream_*_megatron_to_hf(("DeepseekV4ForCausalLM", DeepseekV4NativeModel), ...)`` -> ours;
       ``(..., GPTModel)`` -> upstream.
     * pins without an upstream V4 bridge (< 0.5.0): ``get_model_bridge`` -> ours as well (nothing to preserve).
-
     """
     from impl.native.model import DeepseekV4NativeModel
 
