@@ -79,6 +79,8 @@ def check_qualify_usage(args: argparse.Namespace) -> None:
     args.target_list = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     if not args.target_list:
         raise UsageError(f"--targets {args.targets!r} names no target; give comma-separated names such as wq_a,wo_b")
+    if args.driver and args.dialect != "transformers":
+        raise UsageError(f"--dialect {args.dialect} with --driver: a driver exports PEFT's transformers dialect only")
     args.ranks = args.nproc or args.tp * args.pp * args.ep
     if args.ranks % (args.tp * args.pp) or args.ranks % (args.ep * args.pp):
         raise UsageError(
@@ -116,7 +118,10 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     print(f"qualify: base={opts.base} tp={opts.tp} ep={opts.ep} pp={opts.pp} ranks={nproc} targets={','.join(targets)}")
     t0 = time.perf_counter()
     try:
-        checks = run_qualify(opts, nproc=nproc, default_base=default_base)
+        if args.driver:
+            checks = _qualify_driver(args, opts, nproc, default_base)
+        else:
+            checks = run_qualify(opts, nproc=nproc, default_base=default_base)
         error = None
     except Exception as exc:  # report, don't traceback: the JSON still records what ran
         checks, error = [], f"{type(exc).__name__}: {exc}"
@@ -138,6 +143,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         print(untested)
     report = {
         "ok": ok,
+        "driver": args.driver,
         "wall_s": round(wall, 2),
         "options": {**opts.__dict__, "targets": list(targets), "nproc": nproc},
         "versions": installed,
@@ -152,6 +158,31 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     if error:
         output.problem(f"error: {headline[:300]} (details: {args.log})")
     return EXIT_OK if ok else EXIT_FAILED
+
+
+#: qualify's options a driver's run takes as they are
+_DRIVER_RUN_OPTIONS = ("targets", "rank", "alpha", "tp", "ep", "pp", "dtype", "steps", "seed")
+
+
+def _qualify_driver(args: argparse.Namespace, opts: Any, nproc: int, default_base: Any) -> list[Any]:
+    """``qualify --driver``: the implementation behind the driver, judged by the conformance judge alone
+    (``dsv4_lora``, the command line's own room, which reaches no implementation but through its driver)."""
+    from dsv4_lora.qualify_driver import STEP_COUNT, driver_run, qualify_driver
+
+    run = driver_run(args.driver, opts.base, opts.out, **{k: getattr(opts, k) for k in _DRIVER_RUN_OPTIONS})
+    output.declare_steps(STEP_COUNT)
+    t0 = time.perf_counter()
+    started = f"start {nproc} rank{'s' * (nproc > 1)} of driver {args.driver}"
+    return qualify_driver(
+        args.driver,
+        run,
+        nproc=nproc,
+        timeout_s=opts.timeout_s,
+        oracle=opts.oracle,
+        preload=() if default_base is None else (default_base,),
+        before_go=lambda: output.step(started, time.perf_counter() - t0),
+        step=output.step,
+    )
 
 
 def cmd_verify_adapter(args: argparse.Namespace) -> int:
@@ -267,6 +298,13 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         default="float32",
         choices=["float32", "bfloat16"],
         help="parameter dtype (bf16: base logits compared by mean |Δ|, the reload in float32; see dsv4_conformance.judge.oracle)",
+    )
+    q.add_argument(
+        "--driver",
+        default=None,
+        metavar="MODULE",
+        help="qualify the implementation behind this driver module (its DRIVER, dsv4_conformance.driver) through "
+        "the driver alone, judged by the conformance judge (default: the reference implementation, directly)",
     )
     q.add_argument("--timeout", type=_positive(float), default=900.0, help="seconds before every rank is stopped")
     q.add_argument("--out", default="out/qualify", help="output directory (adapter, base, report)")

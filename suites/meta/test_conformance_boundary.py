@@ -71,3 +71,11 @@ def test_the_check_sees_an_implementation_import_and_the_impl_fixture(tmp_path):
     (tmp_path / "t.py").write_text("\n".join(reaching) + "\n")
     bad = _violations([tmp_path / "t.py"], tmp_path)
     assert len(bad) == 3, bad
+
+
+def test_the_command_lines_room_reaches_an_implementation_only_through_its_driver():
+    """``dsv4_lora`` (``qualify --driver``) loads the driver a user names and imports no implementation itself."""
+    files = sorted((REPO_ROOT / "dsv4_lora").rglob("*.py"))
+    assert files, "dsv4_lora/ holds no module"
+    bad = _violations(files, REPO_ROOT)
+    assert not bad, "the command line's room reaches an implementation directly:\n  " + "\n  ".join(bad)

@@ -1,0 +1,232 @@
+"""``dsv4-lora qualify --driver MODULE``: the contract on one base, for any implementation, through its driver alone.
+
+The ranks (:mod:`dsv4_lora.qualify_driver_rank`) call the driver and return what it gave; this side judges it with
+the conformance judge, the suites' own rules, on one layout in one run:
+
+| check | passes when |
+|---|---|
+| ``detect`` | the driver recognises the base, and not the same config under ``DeepseekV3ForCausalLM`` |
+| ``targets`` | each target reaches its projection in every layer's main attention and nothing else (an MTP block's own main attention may be wrapped too) |
+| ``load`` | the base loads strictly: tensors placed, none missing, none unexpected |
+| ``base_logits`` | the base's logits equal transformers' within the judge's rule, held below one layer's effect |
+| ``train`` | every loss is finite and the last is below the first (SGD on one fixed batch) |
+| ``export`` | the directory is a PEFT adapter of exactly the requested targets, rank and alpha, with the declared success marker |
+| ``reload`` | PEFT's reload on transformers gives the trained logits within the judge's rule; inconclusive unless the least module's delta moves them more |
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4_conformance.driver import Layout, LoraSpec
+from dsv4_lora.qualify_driver_rank import STEPS, DriverRun, fixed_batch, qualify_driver_rank
+
+__all__ = ["STEP_COUNT", "Check", "DriverRun", "judge_run", "qualify_driver"]
+
+#: the progress lines of a run: the ranks' start, each rank step, then the judge
+STEP_COUNT = len(STEPS) + 2
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool | None  # None: not judged (``--no-oracle``)
+    figure: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    inconclusive: bool = False  # not passed: the comparison could not have seen the defect it claims to catch
+
+
+def _detect(found: dict[str, Any], run: DriverRun) -> Check:
+    yes, lookalike = found["recognised"], found["recognised_lookalike"]
+    figure = f"recognises the base: {yes}; recognises it named DeepseekV3ForCausalLM: {lookalike}"
+    return Check("detect", yes and not lookalike, figure)
+
+
+def _targets(found: dict[str, Any], run: DriverRun) -> Check:
+    config = json.loads((Path(run.base) / "config.json").read_text())
+    targets = run.lora.targets
+    meant = {f"layers.{i}.attn.{t}" for i in range(config["num_hidden_layers"]) for t in targets}
+    got = set(found["modules"])
+
+    def mtp_main(module: str) -> bool:
+        parts = module.split(".")
+        return parts[0] == "mtp" and parts[-2:-1] == ["attn"] and parts[-1] in targets
+
+    missing, extra = sorted(meant - got), sorted(m for m in got - meant if not mtp_main(m))
+    figure = f"{len(got)} modules for {','.join(targets)}"
+    if missing or extra:
+        figure += (
+            f"; missing {missing[:3]}{'...' * (len(missing) > 3)}, not meant {extra[:3]}{'...' * (len(extra) > 3)}"
+        )
+    return Check("targets", not missing and not extra, figure, {"missing": missing, "not_meant": extra})
+
+
+def _load(found: dict[str, Any], run: DriverRun) -> Check:
+    load = found["load"]
+    clean = load["loaded"] > 0 and not load["missing"] and not load["unexpected"]
+    figure = f"{load['loaded']} tensors placed, {len(load['missing'])} missing, {len(load['unexpected'])} unexpected"
+    for kind in ("missing", "unexpected"):
+        figure += f"; {kind} e.g. {load[kind][0]}" if load[kind] else ""
+    return Check("load", clean, figure, load)
+
+
+def _compared(name: str, got: Any, want: Any, rule: Any, power: Any) -> Check:
+    """``got`` against the reference ``want`` under ``rule``; inconclusive unless ``power``'s effect exceeds the
+    tolerance (the least defect the comparison claims to see)."""
+    import torch
+
+    if got is None:
+        return Check(name, False, "rank 0 returned no logits")
+    comparison = rule.compare(torch.from_numpy(got), want)
+    conclusive = power.exceeds(comparison.tolerance)
+    detail = {**comparison.detail(), "least_effect": power.effect, "least_effect_of": power.module}
+    figure = (
+        f"{rule.metric}|Δ| {comparison.observed:.2e} <= {comparison.tolerance:.2e}"
+        if comparison.passed
+        else f"{rule.metric}|Δ| {comparison.observed:.2e} > {comparison.tolerance:.2e}"
+    ) + f"; least effect {power.effect:.2e} ({power.module})"
+    return Check(
+        name, comparison.passed and conclusive, figure, detail, inconclusive=comparison.passed and not conclusive
+    )
+
+
+def _base_logits(found: dict[str, Any], run: DriverRun) -> Check:
+    from dsv4_conformance.judge.oracle import LOGIT_RULES, base_model, least_layer_effect
+
+    oracle = base_model(Path(run.base))
+    ids, _ = fixed_batch(run.base, run.seed)
+    import torch
+
+    with torch.no_grad():
+        want = oracle(ids).logits.float()
+    return _compared(
+        "base_logits", found["base_logits"], want, LOGIT_RULES[run.layout.dtype], least_layer_effect(oracle, ids)
+    )
+
+
+def _train(found: dict[str, Any], run: DriverRun) -> Check:
+    losses = found["losses"]
+    finite = all(math.isfinite(x) for x in losses)
+    falls = len(losses) >= 2 and losses[-1] < losses[0]
+    figure = f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps" if losses else "no step"
+    return Check("train", finite and falls, figure, {"losses": losses})
+
+
+def _export(found: dict[str, Any], run: DriverRun, marker: str | None) -> Check:
+    from dsv4_conformance.judge.artifacts import Expected, judge_adapter_dir
+
+    expected = Expected(run.lora.targets, run.lora.rank, run.lora.alpha)
+    problems = judge_adapter_dir(Path(run.adapter_dir), Path(run.base), expected=expected, marker=marker)
+    figure = "a PEFT adapter of the requested targets" if not problems else f"{len(problems)} problem(s): {problems[0]}"
+    return Check("export", not problems, figure, {"problems": [str(p) for p in problems]})
+
+
+def _reload(found: dict[str, Any], run: DriverRun) -> Check:
+    from dsv4_conformance.judge.oracle import LOGIT_RULES, base_model, least_effect, peft_logits, read_adapter
+
+    ids, _ = fixed_batch(run.base, run.seed)
+    adapter_dir = Path(run.adapter_dir)
+    want = peft_logits(Path(run.base), adapter_dir, ids)
+    power = least_effect(base_model(Path(run.base)), ids, *read_adapter(adapter_dir))
+    return _compared("reload", found["trained_logits"], want, LOGIT_RULES[run.layout.dtype], power)
+
+
+#: each check, the rank step whose result it reads, and whether it needs the oracle (transformers' model)
+JUDGED: tuple[tuple[str, str, bool], ...] = (
+    ("detect", "detect", False),
+    ("targets", "targets", False),
+    ("load", "base", False),
+    ("base_logits", "base", True),
+    ("train", "train", False),
+    ("export", "export", False),
+    ("reload", "export", True),
+)
+
+
+def judge_run(
+    payloads: Sequence[dict[str, Any]], run: DriverRun, *, marker: str | None, oracle: bool = True
+) -> list[Check]:
+    """Every check from rank 0's findings; a step that raised on any rank fails its checks, naming rank and error."""
+    rules: dict[str, Callable[..., Check]] = {
+        "detect": _detect,
+        "targets": _targets,
+        "load": _load,
+        "base_logits": _base_logits,
+        "train": _train,
+        "export": lambda f, r: _export(f, r, marker),
+        "reload": _reload,
+    }
+    found, seconds = payloads[0]["found"], payloads[0]["seconds"]
+    checks = []
+    for name, step, needs_oracle in JUDGED:
+        raised = [(p["rank"], p["errors"][step]) for p in payloads if step in p["errors"]]
+        if raised:
+            rank, error = raised[0]
+            checks.append(Check(name, False, f"rank {rank}: {error}"[:300], {"errors": dict(raised)}))
+        elif step not in seconds:
+            checks.append(Check(name, False, "not run: an earlier step failed"))
+        elif needs_oracle and not oracle:
+            checks.append(Check(name, None, "not compared (--no-oracle)"))
+        else:
+            t0 = time.perf_counter()
+            try:
+                check = rules[name](found, run)
+            except Exception as exc:  # what the driver gave cannot even be judged (PEFT cannot load the export)
+                check = Check(name, False, f"cannot be judged: {type(exc).__name__}: {exc}"[:300])
+            check.seconds = round(seconds[step] + time.perf_counter() - t0, 3)
+            checks.append(check)
+    return checks
+
+
+def qualify_driver(
+    driver: str,
+    run: DriverRun,
+    *,
+    nproc: int,
+    timeout_s: float,
+    oracle: bool = True,
+    preload: Sequence[Callable[[], None]] = (),
+    before_go: Callable[[], object] | None = None,
+    step: Callable[[str, float], None] | None = None,
+) -> list[Check]:
+    """Run the driver on ``nproc`` ranks and judge what it did. ``preload``/``before_go``: the launcher's
+    (:func:`dsv4_launcher.launch.run_on_ranks`); ``step(what, seconds)``: report the judge's own step."""
+    from dsv4_conformance.driver import load_driver
+    from dsv4_launcher.launch import run_on_ranks
+
+    marker = load_driver(driver).success_marker
+    payloads = run_on_ranks(
+        qualify_driver_rank, run, nproc=nproc, timeout_s=timeout_s, preload=preload, before_go=before_go
+    )
+    t0 = time.perf_counter()
+    checks = judge_run(payloads, run, marker=marker, oracle=oracle)
+    if step is not None:
+        step("judge: transformers + PEFT, the conformance rules", time.perf_counter() - t0)
+    return checks
+
+
+def driver_run(
+    driver: str,
+    base: str,
+    out: str,
+    *,
+    targets: Sequence[str],
+    rank: int,
+    alpha: float,
+    tp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    dtype: str = "float32",
+    steps: int = 3,
+    seed: int = 0,
+) -> DriverRun:
+    """The run ``qualify --driver`` makes from its options: the export goes to ``OUT/adapter``."""
+    lora = LoraSpec(tuple(targets), rank, alpha)
+    return DriverRun(driver, base, str(Path(out) / "adapter"), Layout(tp, ep, pp, dtype), lora, steps, seed)

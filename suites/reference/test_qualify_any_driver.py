@@ -1,0 +1,212 @@
+"""``dsv4-lora qualify --driver MODULE`` qualifies any implementation through its driver alone, judged by the
+conformance judge: the reference passes every check, a driver whose bare target reaches the DSA indexer fails
+``targets`` naming the indexer's module, a driver that implements nothing fails every check naming the method, and
+each judged check fails on the one defect it claims to catch (a payload with that defect, judged in this process)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from dsv4_lora.qualify_driver import judge_run
+from fixtures.runner.subproc import cli_runner
+
+pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("qualify-driver")]
+
+REFERENCE = "implementations.reference"
+#: the checks of a driver's qualify, in the order the command prints them
+CHECKS = ["detect", "targets", "load", "base_logits", "train", "export", "reload"]
+
+
+@pytest.fixture(scope="session")
+def dsv4(impl):
+    return cli_runner(impl.name, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def through_driver(tmp_path_factory, dsv4):
+    """``qualify --driver DRIVER`` once per driver and worker: (exit status, printed output, JSON report, out)."""
+    runs: dict[str, tuple[int, str, dict, Path]] = {}
+
+    def run(driver: str) -> tuple[int, str, dict, Path]:
+        if driver not in runs:
+            out = tmp_path_factory.mktemp("qualify-driver")
+            done = dsv4("qualify", "--driver", driver, "--out", out, timeout=600)
+            report = json.loads((out / "qualify.json").read_text())
+            runs[driver] = (done.returncode, done.stdout + done.stderr, report, out)
+        return runs[driver]
+
+    return run
+
+
+def _checks(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_the_reference_through_its_driver_passes_every_judged_check(through_driver):
+    status, printed, report, out = through_driver(REFERENCE)
+    checks = _checks(report)
+    assert status == 0 and report["ok"] is True, printed[-4000:]
+    assert report["driver"] == REFERENCE
+    assert list(checks) == CHECKS
+    assert all(c["passed"] is True for c in checks.values()), checks
+    for name in ("base_logits", "reload"):  # each comparison held below the least defect it claims to see
+        d = checks[name]["detail"]
+        assert d["observed"] <= d["tolerance"] < d["least_effect"], (name, d)
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_bare_target_that_reaches_the_indexer_fails_targets_naming_the_indexer_module(through_driver):
+    status, printed, report, _ = through_driver("implementations.wrong.indexer_targets")
+    checks = _checks(report)
+    assert status == 1 and report["ok"] is False, printed[-4000:]
+    assert checks["targets"]["passed"] is False
+    assert any(".indexer.wq_b" in m for m in checks["targets"]["detail"]["not_meant"]), checks["targets"]
+    assert checks["detect"]["passed"] and checks["load"]["passed"], "the defect is the targets', not the base's"
+
+
+def test_a_driver_that_implements_nothing_fails_every_check_naming_the_missing_method(through_driver):
+    status, printed, report, _ = through_driver("implementations.empty")
+    checks = _checks(report)
+    assert status == 1, printed[-4000:]
+    assert all(c["passed"] is False for c in checks.values()), checks
+    assert "DriverMissing: recognises" in checks["detect"]["figure"]
+    assert "DriverMissing: qualify" in checks["targets"]["figure"]
+    assert "Traceback" not in printed, printed[-4000:]
+
+
+def test_a_dialect_other_than_peft_is_refused_with_a_driver_before_anything_runs(dsv4, tmp_path):
+    done = dsv4("qualify", "--driver", REFERENCE, "--dialect", "official", "--out", tmp_path / "q", timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--dialect official with --driver" in done.stderr
+    assert not (tmp_path / "q").exists()
+
+
+# -- the judge's power: each check fails on its own defect --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference_run(through_driver):
+    """The reference's passing run, rebuilt as the ranks' payload: (payload, DriverRun), to be spoiled one way."""
+    from dsv4_conformance.judge.oracle import peft_logits
+    from dsv4_lora.qualify_driver import driver_run
+    from dsv4_lora.qualify_driver_rank import fixed_batch
+
+    _, _, report, out = through_driver(REFERENCE)
+    checks = _checks(report)
+    run = driver_run(
+        REFERENCE, str(out / "base"), str(out), **{k: report["options"][k] for k in ("targets", "rank", "alpha")}
+    )
+
+    ids, _ = fixed_batch(run.base, run.seed)
+    config = json.loads((out / "base" / "config.json").read_text())
+    found = {
+        "recognised": True,
+        "recognised_lookalike": False,
+        "modules": sorted(f"layers.{i}.attn.{t}" for i in range(config["num_hidden_layers"]) for t in run.lora.targets),
+        "load": checks["load"]["detail"],
+        "base_logits": _oracle_logits(run.base, ids),
+        "losses": checks["train"]["detail"]["losses"],
+        "trained_logits": peft_logits(Path(run.base), Path(run.adapter_dir), ids).numpy(),
+        "exported": True,
+    }
+    seconds = dict.fromkeys(("detect", "targets", "base", "train", "export"), 0.0)
+    return {"rank": 0, "found": found, "errors": {}, "seconds": seconds}, run
+
+
+def _oracle_logits(base: str, ids):
+    import torch
+
+    from dsv4_conformance.judge.oracle import base_model
+
+    with torch.no_grad():
+        return base_model(Path(base))(ids).logits.float().numpy()
+
+
+def _judged(payload: dict, run, *, oracle: bool = True, **found) -> dict[str, object]:
+    spoiled = {**payload, "found": {**payload["found"], **found}}
+    return {c.name: c for c in judge_run([spoiled], run, marker=None, oracle=oracle)}
+
+
+def test_the_unspoiled_payload_passes_every_check(reference_run):
+    payload, run = reference_run
+    failed = [c for c in _judged(payload, run).values() if not c.passed]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize(
+    ("check", "spoil"),
+    [
+        ("detect", lambda f: {"recognised_lookalike": True}),
+        ("detect", lambda f: {"recognised": False}),
+        ("targets", lambda f: {"modules": f["modules"][1:]}),
+        ("targets", lambda f: {"modules": [*f["modules"], "layers.0.attn.indexer.wq_b"]}),
+        ("load", lambda f: {"load": {**f["load"], "missing": ["layers.0.attn.wq_a.weight"]}}),
+        ("load", lambda f: {"load": {**f["load"], "unexpected": ["layers.9.attn.wq_a.weight"]}}),
+        ("train", lambda f: {"losses": list(reversed(f["losses"]))}),
+        ("train", lambda f: {"losses": [*f["losses"][:-1], float("nan")]}),
+    ],
+    ids=[
+        "lookalike-recognised",
+        "base-not-recognised",
+        "one-module-missing",
+        "indexer-wrapped",
+        "missing-tensor",
+        "unexpected-tensor",
+        "loss-rises",
+        "loss-nan",
+    ],
+)
+def test_each_bookkeeping_check_fails_on_its_own_defect(reference_run, check, spoil):
+    payload, run = reference_run
+    judged = _judged(payload, run, oracle=False, **spoil(payload["found"]))  # the comparisons: tests below
+    assert judged[check].passed is False, judged[check]
+    assert all(c.passed is not False for name, c in judged.items() if name != check), "only the spoiled check fails"
+
+
+def test_an_mtp_blocks_own_main_attention_is_allowed_beside_the_meant_modules(reference_run):
+    payload, run = reference_run
+    judged = _judged(payload, run, oracle=False, modules=[*payload["found"]["modules"], "mtp.0.attn.wq_a"])
+    assert judged["targets"].passed is True, judged["targets"]
+
+
+@pytest.mark.parametrize("check", ["base_logits", "trained_logits"])
+def test_logits_moved_by_more_than_the_rule_fail_their_comparison(reference_run, check):
+    payload, run = reference_run
+    moved = payload["found"][check].copy()
+    moved[0, 0, 0] += 1e-2  # above either tolerance (1e-4 here), below any one module's or layer's effect
+    judged = _judged(payload, run, **{check: moved})
+    name = "reload" if check == "trained_logits" else check
+    assert judged[name].passed is False and not judged[name].inconclusive, judged[name]
+
+
+def test_an_export_one_tensor_short_fails_export_naming_the_module(reference_run, tmp_path):
+    payload, run = reference_run
+    adapter = tmp_path / "adapter"
+    shutil.copytree(run.adapter_dir, adapter)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    dropped = sorted(tensors)[0]
+    del tensors[dropped]
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    judged = {c.name: c for c in judge_run([payload], replace(run, adapter_dir=str(adapter)), marker=None)}
+    assert judged["export"].passed is False, judged["export"]
+    assert judged["reload"].passed is not True, judged["reload"]
+
+
+def test_a_declared_success_marker_that_is_not_there_fails_export(reference_run):
+    payload, run = reference_run
+    judged = {c.name: c for c in judge_run([payload], run, marker="NO-SUCH-MARKER")}
+    assert judged["export"].passed is False and "marker" in judged["export"].figure, judged["export"]
+
+
+def test_a_step_that_raised_on_another_rank_fails_its_checks_naming_that_rank(reference_run):
+    payload, run = reference_run
+    other = {"rank": 1, "found": {}, "errors": {"train": "RuntimeError: boom"}, "seconds": {}}
+    judged = {c.name: c for c in judge_run([payload, other], run, marker=None)}
+    assert judged["train"].passed is False and judged["train"].figure == "rank 1: RuntimeError: boom"
+    assert judged["export"].passed is True, "the other steps are judged from rank 0's findings"
