@@ -125,6 +125,14 @@ def launch_ranks(
         case_bytes = pickle.dumps(case)
     except Exception as exc:
         raise TypeError(f"launch: case {type(case).__name__} does not pickle: {exc}") from exc
+    # the same either way the ranks run: their clocks, what each imports first, the launcher's hook before they start
+    given = {
+        "timeout_s": timeout_s,
+        "startup_timeout_s": startup_timeout_s,
+        "grace_s": grace_s,
+        "preload": tuple(preload),
+        "before_go": before_go,
+    }
     world = launched_world()
     if world is not None:
         if nproc != world.world_size:
@@ -133,34 +141,14 @@ def launch_ranks(
                 f"ask for {world.world_size} (or launch {nproc} ranks)"
             )
         call = InProcessCall(
-            world.rank,
-            world.world_size,
-            world.local_rank,
-            backend=backend or _default_backend(),
-            timeout_s=timeout_s,
-            startup_timeout_s=startup_timeout_s,
-            grace_s=grace_s,
-            agree=agree,
-            preload=tuple(preload),
-            before_go=before_go,
+            world.rank, world.world_size, world.local_rank, backend=backend or _default_backend(), agree=agree, **given
         )
         return run_in_process(fn, case_bytes, call)
     rank_env = dict(env or {})
     if "OMP_NUM_THREADS" not in os.environ:  # nproc ranks share the cores: don't oversubscribe them
         rank_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return spawn_ranks(
-        module,
-        qualname,
-        case_bytes,
-        nproc=nproc,
-        timeout_s=timeout_s,
-        startup_timeout_s=startup_timeout_s,
-        grace_s=grace_s,
-        env=rank_env,
-        preload=tuple(preload),
-        backend=backend,
-        before_go=before_go,
-        start_method=start_method,
+        module, qualname, case_bytes, nproc=nproc, env=rank_env, backend=backend, start_method=start_method, **given
     )
 
 

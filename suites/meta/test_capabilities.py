@@ -38,11 +38,8 @@ def test_every_file_a_capability_names_exists():
 
 
 def test_the_documented_capabilities_are_the_table():
-    section = CAPABILITY_DOC.section(CAPABILITY_DOC.path.read_text())
-    assert section is not None, "docs/reference_api.md lost its capabilities markers"
-    assert section == render_capabilities(), (
-        "docs/reference_api.md's capabilities differ from fixtures/contract/capabilities.py: "
-        "run '.venv/bin/python scripts/contract.py --write'"
+    CAPABILITY_DOC.assert_current(
+        render_capabilities(), what="capabilities table", source="fixtures/contract/capabilities.py"
     )
 
 

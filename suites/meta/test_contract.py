@@ -13,10 +13,8 @@ pytestmark = pytest.mark.cpu
 
 
 def test_the_documented_contract_is_the_generated_one():
-    section = CONTRACT_DOC.section(CONTRACT_DOC.path.read_text())
-    assert section is not None, "docs/reference_api.md lost its contract markers"
-    assert section == render_contract(contract_names(), optional_names()), (
-        "docs/reference_api.md's contract differs from what the suites read: run '.venv/bin/python scripts/contract.py --write'"
+    CONTRACT_DOC.assert_current(
+        render_contract(contract_names(), optional_names()), what="contract", source="what the suites read"
     )
 
 
@@ -63,9 +61,8 @@ def test_every_public_name_of_the_reference_resolves(impl):
 def test_the_driver_page_is_generated_from_the_driver_contract():
     from fixtures.contract.driver_page import DRIVER_DOC, render_driver_page
 
-    section = DRIVER_DOC.section(DRIVER_DOC.path.read_text())
-    assert section is not None, "docs/driver.md lost its generated-section markers"
-    assert section == render_driver_page(), (
-        "docs/driver.md differs from dsv4_conformance.driver and the suites' needs markers: "
-        "run '.venv/bin/python scripts/contract.py --write'"
+    DRIVER_DOC.assert_current(
+        render_driver_page(),
+        what="generated section",
+        source="dsv4_conformance.driver and the suites' needs markers",
     )

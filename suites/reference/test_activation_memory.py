@@ -72,6 +72,19 @@ def _run_attention(module, x, positions):
     return out.detach().cpu(), x.grad.cpu(), grads
 
 
+def _assert_gradients_close(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, ulps: float, context: str
+) -> None:
+    """The same parameters have gradients, each within ``ulps`` units of eps(float32) at the scale of the largest one
+    (the flow through the module)."""
+    assert set(got) == set(want), f"{context}: gradients for {sorted(set(got) ^ set(want))} differ"
+    flows = max(ah.max_abs(g) for g in want.values())
+    for name, grad in want.items():
+        ah.assert_close_ulps(
+            got[name], grad, dtype=torch.float32, ulps=ulps, scale=flows, name=f"grad {name}", context=context
+        )
+
+
 @pytest.mark.parametrize("block", [5, 7, 64], ids=["block5-narrower-than-window", "block7-uneven", "block64-one"])
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
 def test_query_block_attention_equals_eager_attention_in_fp32(impl, megatron_world, layer, block):
@@ -85,12 +98,7 @@ def test_query_block_attention_equals_eager_attention_in_fp32(impl, megatron_wor
     where = f"layer {layer} block {block}"
     ah.assert_close_ulps(got_out, want_out, dtype=torch.float32, ulps=BLOCK_ULPS, name="output", context=where)
     ah.assert_close_ulps(got_dx, want_dx, dtype=torch.float32, ulps=BLOCK_ULPS, name="input gradient", context=where)
-    assert set(got_grads) == set(want_grads), f"gradients for {sorted(set(got_grads) ^ set(want_grads))} differ"
-    flows = max(ah.max_abs(g) for g in want_grads.values())
-    for name, want in want_grads.items():
-        ah.assert_close_ulps(
-            got_grads[name], want, dtype=torch.float32, ulps=BLOCK_ULPS, scale=flows, name=f"grad {name}", context=where
-        )
+    _assert_gradients_close(got_grads, want_grads, ulps=BLOCK_ULPS, context=where)
 
 
 def test_query_block_attention_keeps_far_fewer_bytes_than_eager_scores(impl, megatron_world):
@@ -143,18 +151,7 @@ def test_recompute_changes_memory_not_the_loss_or_any_gradient(impl, megatron_wo
     want_loss, want_grads, want_kept = _loss_and_grads(base, ids)
     got_loss, got_grads, got_kept = _loss_and_grads(recomputed, ids)
     assert torch.equal(got_loss, want_loss), f"{plan}: loss {got_loss.item()} != {want_loss.item()}"
-    assert set(got_grads) == set(want_grads), f"{plan}: gradients differ in {sorted(set(got_grads) ^ set(want_grads))}"
-    flows = max(ah.max_abs(g) for g in want_grads.values())
-    for name, want in want_grads.items():
-        ah.assert_close_ulps(
-            got_grads[name],
-            want,
-            dtype=torch.float32,
-            ulps=RECOMPUTE_ULPS,
-            scale=flows,
-            name=f"grad {name}",
-            context=plan,
-        )
+    _assert_gradients_close(got_grads, want_grads, ulps=RECOMPUTE_ULPS, context=plan)
     assert got_kept < want_kept, f"{plan}: kept {got_kept} bytes for backward, no recompute keeps {want_kept}"
 
 

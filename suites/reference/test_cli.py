@@ -236,11 +236,17 @@ def _edited_copies(qualified: Path, tmp_path: Path, edit) -> tuple[Path, Path]:
     return base, adapter
 
 
+def _verify_edited_copies(dsv4, qualified: Path, tmp_path: Path, table: dict, case: str):
+    """verify-adapter on copies of qualify's base and adapter edited as ``table[case]`` says
+    (``fixtures/data/adapter_tamper.py``): what the case expects it to say, its run, and the copies."""
+    edit, expected = table[case]
+    base, adapter = _edited_copies(qualified, tmp_path, edit)
+    return expected, dsv4("verify-adapter", "--base", base, "--adapter", adapter), (base, adapter)
+
+
 @pytest.mark.parametrize("case", sorted(TAMPER))
 def test_verify_adapter_catches(dsv4, qualified, tmp_path, case):
-    tamper, expected = TAMPER[case]
-    base, adapter = _edited_copies(qualified, tmp_path, tamper)
-    result = dsv4("verify-adapter", "--base", base, "--adapter", adapter)
+    expected, result, _ = _verify_edited_copies(dsv4, qualified, tmp_path, TAMPER, case)
     assert result.returncode == 1, f"{case}: verify-adapter passed a tampered adapter:\n{result.stdout[-3000:]}"
     assert expected in result.stdout, f"{case}: problem list does not name {expected!r}:\n{result.stdout[-3000:]}"
 
@@ -260,9 +266,7 @@ def test_validate_adapter_dir_raises_the_first_problem_verify_adapter_lists(impl
 
 @pytest.mark.parametrize("case", sorted(UNCERTIFY))
 def test_verify_adapter_passes_an_uncertified_adapter_unless_certification_is_required(dsv4, qualified, tmp_path, case):
-    edit, expected = UNCERTIFY[case]
-    base, adapter = _edited_copies(qualified, tmp_path, edit)
-    result = dsv4("verify-adapter", "--base", base, "--adapter", adapter)
+    expected, result, (base, adapter) = _verify_edited_copies(dsv4, qualified, tmp_path, UNCERTIFY, case)
     assert result.returncode == 0, f"{case}: a sound adapter failed:\n{result.stdout[-3000:]}"
     assert "UNCERTIFIED" in result.stdout and expected in result.stdout, result.stdout[-3000:]
     strict = dsv4("verify-adapter", "--base", base, "--adapter", adapter, "--require-certified")

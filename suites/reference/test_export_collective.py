@@ -19,18 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.data.adapter_states import make_native_adapter, snapshot_tree
 from fixtures.ranks.export_rank_fns import (
     EXCHANGE_TIMEOUT_S,
     KILL_EXCHANGE_TIMEOUT_S,
     PHASES,
-    SHAPES,
     MatrixCase,
     OutcomeCase,
     adapter_state,
+    export_attempt,
     matrix,
     rank_export_matrix,
     survivors_of_a_kill,
+    survivors_of_a_matrix_kill,
     validity,
 )
 from fixtures.ranks.faults import phases_with_fault
@@ -118,12 +118,7 @@ def test_matrix_case_count(matrix_results) -> None:
 def test_a_rank_killed_mid_export_is_reported_dead_by_every_survivor_and_nothing_is_published(
     impl, tmp_path: Path, world_size: int, kill_rank: int, phase: str
 ) -> None:
-    survivors = survivors_of_a_kill(
-        rank_export_matrix,
-        MatrixCase(impl.name, str(tmp_path), world_size, kill=(kill_rank, phase)),
-        nproc=world_size,
-        killed=kill_rank,
-    )
+    survivors = survivors_of_a_matrix_kill(impl.name, tmp_path, world_size, kill=(kill_rank, phase))
     for r in survivors:
         (c,) = r.payload
         assert c["error"] is not None, f"rank {r.rank} did not raise after rank {kill_rank} died"
@@ -151,12 +146,7 @@ def test_a_rank_lost_after_the_commit_point_is_reported_and_the_committed_export
     """Killed in the commit phase, after the writer's commit rename: the survivors still raise the same error
     naming the lost rank, but it says the adapter WAS committed (or, for a lost writer, that the destination is
     the new export or the old one), and the destination is the new complete export with no sidecars left."""
-    survivors = survivors_of_a_kill(
-        rank_export_matrix,
-        MatrixCase(impl.name, str(tmp_path), world_size, kill=(kill_rank, "commit")),
-        nproc=world_size,
-        killed=kill_rank,
-    )
+    survivors = survivors_of_a_matrix_kill(impl.name, tmp_path, world_size, kill=(kill_rank, "commit"))
     cleaner = 0 if kill_rank != 0 else 1  # the writer, or the survivor that recovers for a lost writer
     for r in survivors:
         (c,) = r.payload
@@ -272,34 +262,14 @@ def _hanging_on(phases, name: str, rank: int, seconds: float = HANG_S):
 
 def _rank_export_outcomes(rank: int, world_size: int, case: OutcomeCase) -> dict[str, dict]:
     """One two-rank group, one export after the other to the same destination; what each rank saw of each."""
-    import torch.distributed as dist
-
     api = load_impl(case.impl, prepare=False)
     dest = Path(case.root) / "adapter"
     seen: dict[str, dict] = {}
+    refusals = (api.CollectiveExportError, api.ExportError)
 
-    def attempt(label: str, alpha: float, *, writer_rank: int = 0, **kwargs) -> None:
-        before = snapshot_tree(dest)
-        state = api.AdapterState(make_native_adapter(SHAPES, 2, 4, seed=1), r=4, alpha=alpha, targets=tuple(SHAPES))
-        error = returned = None
-        gather = lambda: state if rank == writer_rank else None  # noqa: E731  (the writer alone returns the state)
-        try:
-            returned = str(api.export_adapter(gather, dest, writer_rank=writer_rank, **kwargs))
-        except (api.CollectiveExportError, api.ExportError) as err:
-            error = f"{type(err).__name__}: {err}"
-        dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S + HANG_S))  # the group must still work
-        try:
-            alpha_now = api.validate_adapter_dir(dest)["config"]["lora_alpha"]
-        except Exception as err:  # judged by the test
-            alpha_now = f"{type(err).__name__}: {err}"
-        seen[label] = {
-            "error": error,
-            "returned": returned,
-            "unchanged": before == snapshot_tree(dest),
-            "alpha": alpha_now,
-            "leftovers": sorted(p.name for p in dest.parent.glob(f".{dest.name}.dsv4-*")),
-        }
-        dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
+    def attempt(label: str, alpha: float, **kwargs) -> None:
+        settle_s = EXCHANGE_TIMEOUT_S + HANG_S  # the barrier after an export waits for a hung rank too
+        seen[label] = export_attempt(api, rank, dest, alpha, catch=refusals, settle_s=settle_s, **kwargs)
 
     phases, quick = api.EXPORT_PHASES, {"timeout_s": EXCHANGE_TIMEOUT_S}
     attempt("first", 1.0, **quick)

@@ -9,18 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.data.adapter_states import make_native_adapter, snapshot_tree
+from fixtures.data.adapter_states import snapshot_tree
 from fixtures.ranks.export_rank_fns import (
     EXCHANGE_TIMEOUT_S,
     KILL_EXCHANGE_TIMEOUT_S,
     PHASES,
-    SHAPES,
-    MatrixCase,
     OutcomeCase,
     adapter_state,
-    rank_export_matrix,
+    export_attempt,
     renamed_phases,
     survivors_of_a_kill,
+    survivors_of_a_matrix_kill,
     validity,
 )
 from fixtures.ranks.faults import phases_with_fault
@@ -46,11 +45,8 @@ def test_a_lost_writer_other_than_rank_0_is_stood_in_for_by_the_lowest_surviving
     export stands valid and the error says it is the new export or the old one (told by the phase's name, here under
     a table whose names equal the protocol's but were built at run time). Either way no sidecar is left."""
     writer = 1
-    (stand_in,) = survivors_of_a_kill(
-        rank_export_matrix,
-        MatrixCase(impl.name, str(tmp_path), 2, kill=(writer, phase), writer=writer, renamed=renamed),
-        nproc=2,
-        killed=writer,
+    (stand_in,) = survivors_of_a_matrix_kill(
+        impl.name, tmp_path, 2, kill=(writer, phase), writer=writer, renamed=renamed
     )
     (c,) = stand_in.payload
     assert c["error"] is not None, f"rank 0 did not raise after the writer (rank {writer}) died in phase {phase}"
@@ -71,8 +67,6 @@ def _rank_export_beside_the_writer(rank: int, world_size: int, case: OutcomeCase
     """One two-rank group: a failure under writer rank 1, a peer lost after the commit point under a phase table
     whose names were built at run time, and a peer failing while its own view of the destination (a node-local
     disk) holds an interrupted export; what each rank saw of each."""
-    import torch.distributed as dist
-
     api = load_impl(case.impl, prepare=False)
     root = Path(case.root)
     dest = root / "shared" / "adapter"
@@ -81,28 +75,18 @@ def _rank_export_beside_the_writer(rank: int, world_size: int, case: OutcomeCase
     (own_view.parent / f".{own_view.name}.dsv4-staging" / "adapter_model.safetensors").write_bytes(b"interrupted")
     seen: dict[str, dict] = {}
 
-    def attempt(label: str, alpha: float, *, writer_rank: int = 0, out: Path = dest, **kwargs) -> None:
-        before, view_before = snapshot_tree(dest), snapshot_tree(own_view)
-        state = api.AdapterState(make_native_adapter(SHAPES, 2, 4, seed=1), r=4, alpha=alpha, targets=tuple(SHAPES))
-        error = None
-        gather = lambda: state if rank == writer_rank else None  # noqa: E731  (the writer alone returns the state)
-        try:
-            api.export_adapter(gather, out, writer_rank=writer_rank, timeout_s=EXCHANGE_TIMEOUT_S, **kwargs)
-        except Exception as err:  # judged by the test
-            error = f"{type(err).__name__}: {err}"
-        dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))  # the group must still work
-        try:
-            alpha_now = api.validate_adapter_dir(dest)["config"]["lora_alpha"]
-        except Exception as err:  # judged by the test
-            alpha_now = f"{type(err).__name__}: {err}"
-        seen[label] = {
-            "error": error,
-            "unchanged": before == snapshot_tree(dest),
-            "view_unchanged": view_before == snapshot_tree(own_view),
-            "alpha": alpha_now,
-            "leftovers": sorted(p.name for p in dest.parent.glob(f".{dest.name}.dsv4-*")),
-        }
-        dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
+    def attempt(label: str, alpha: float, **kwargs) -> None:
+        seen[label] = export_attempt(
+            api,
+            rank,
+            dest,
+            alpha,
+            catch=Exception,  # any error: judged by the test
+            settle_s=EXCHANGE_TIMEOUT_S,
+            own_view=own_view,
+            timeout_s=EXCHANGE_TIMEOUT_S,
+            **kwargs,
+        )
 
     phases = api.EXPORT_PHASES
     attempt("first", 1.0)

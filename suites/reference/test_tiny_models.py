@@ -14,17 +14,21 @@ from safetensors.torch import load_file
 import fixtures.asserts as ah
 from fixtures.data.strategies import v4_configs
 from fixtures.runner.host_state import torch_threads
-from tiny_models.errors import CheckpointNameError, UnknownPresetError
-from tiny_models.manifest import manifest
-from tiny_models.oracle import (
+from tiny_models import (
+    PRESETS,
+    CheckpointNameError,
+    UnknownPresetError,
     build_random_model,
+    get_preset,
     load_oracle,
+    manifest,
+    min_seq_len,
     official_state_dict,
     official_to_transformers_name,
     transformers_to_official_name,
     write_checkpoint,
 )
-from tiny_models.presets import CSA, HCA, PRESETS, SLIDING, get_preset, min_seq_len
+from tiny_models.presets import CSA, HCA, SLIDING
 
 pytestmark = pytest.mark.cpu
 

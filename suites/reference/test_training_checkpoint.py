@@ -16,28 +16,25 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fixtures.data.training_runs import (
-    BASE_SEED,
     LR,
-    PRESET,
+    MASTERS,
     TARGETS,
     Run,
+    checkpoint_fixtures,
     copy_checkpoint,
     differing,
     one_rank_run,
     sha256_of,
     tracker_draw,
-    two_step_checkpoints,
 )
 
 pytestmark = pytest.mark.cpu
 
 
-@pytest.fixture(scope="module")
-def base(tiny_ckpt_factory) -> str:
-    return str(tiny_ckpt_factory(PRESET, seed=BASE_SEED))
+base, saved, ckpt = checkpoint_fixtures()
 
 
-@pytest.mark.parametrize("masters", [False, True], ids=["fp32-adam", "bf16-on-fp32-masters"])
+@MASTERS
 def test_a_resumed_one_rank_run_equals_the_uninterrupted_one_bit_for_bit(impl, base, tmp_path, masters):
     """Steps 1-2, checkpoint, steps 3-4; a fresh run (other LoRA init, other learning rate, other generator state)
     resumed from the checkpoint trains steps 3-4 to the same losses, the same adapter and optimizer state, and the
@@ -66,11 +63,6 @@ def test_a_resumed_one_rank_run_equals_the_uninterrupted_one_bit_for_bit(impl, b
     assert not differing(second.optimizer_state(), first.optimizer_state()), "optimizer states differ"
     if masters:
         assert not differing(dict(enumerate(second.opt.masters)), dict(enumerate(first.opt.masters))), "masters differ"
-
-
-@pytest.fixture(scope="module")
-def saved(impl, base, tmp_path_factory) -> tuple[Path, Path]:
-    return two_step_checkpoints(impl, base, tmp_path_factory.mktemp("training-checkpoints"))
 
 
 def _recertify(ckpt: Path) -> None:
@@ -197,13 +189,10 @@ SPOILED = {
 
 
 @pytest.mark.parametrize("label", list(SPOILED))
-def test_a_checkpoint_that_must_not_be_resumed_is_refused_naming_its_file_and_nothing_changes(
-    impl, base, saved, tmp_path, label
-):
+def test_a_checkpoint_that_must_not_be_resumed_is_refused_naming_its_file_and_nothing_changes(impl, base, ckpt, label):
     """Each spoilt copy of a good checkpoint is refused with TrainingCheckpointError naming the file and what is
     wrong with it; the run's LoRA parameters and optimizer state are as they were (never a silent fresh start)."""
     spoil, file, says = SPOILED[label]
-    ckpt = copy_checkpoint(saved[0], tmp_path / "ckpt")
     spoil(ckpt)
     run = one_rank_run(impl, base)
     run.step(1)
@@ -282,12 +271,11 @@ def test_a_checkpoint_on_fp32_masters_missing_a_master_is_refused_naming_it(impl
 @pytest.mark.parametrize("saved_cuda", [True, False], ids=["saved-with-cuda", "saved-without-cuda"])
 @pytest.mark.parametrize("host_cuda", [True, False], ids=["on-a-cuda-host", "on-a-cpu-host"])
 def test_the_cuda_generator_is_restored_exactly_where_the_checkpoint_has_one_and_the_host_has_cuda(
-    impl, base, saved, tmp_path, monkeypatch, saved_cuda, host_cuda
+    impl, base, ckpt, monkeypatch, saved_cuda, host_cuda
 ):
     """A checkpoint saved with or without CUDA, resumed on a host with or without it: the CPU generator is
     restored either way, the CUDA one only when both have it (the host's CUDA is stood in for: only whether it is
     there and what is set on it matter here)."""
-    ckpt = copy_checkpoint(saved[0], tmp_path / "ckpt")
     cpu = load_file(str(ckpt / "rng.safetensors"))["rank0/cpu"]
     cuda_state = torch.arange(16, dtype=torch.uint8)
     if saved_cuda:
@@ -303,16 +291,12 @@ def test_the_cuda_generator_is_restored_exactly_where_the_checkpoint_has_one_and
     assert len(set_on_cuda) == len(want) and all(map(torch.equal, set_on_cuda, want)), set_on_cuda
 
 
-def test_a_trainer_state_without_extra_resumes_with_an_empty_extra(impl, base, saved, tmp_path):
-    ckpt = copy_checkpoint(saved[0], tmp_path / "ckpt")
+def test_a_trainer_state_without_extra_resumes_with_an_empty_extra(impl, base, ckpt):
     _edit_state(lambda s: s.pop("extra"))(ckpt)
     assert one_rank_run(impl, base).resume(ckpt, base=base).extra == {}
 
 
-def test_a_checkpoint_of_another_layout_resumes_without_restoring_the_generators_and_says_so(
-    impl, base, saved, tmp_path
-):
-    ckpt = copy_checkpoint(saved[0], tmp_path / "ckpt")
+def test_a_checkpoint_of_another_layout_resumes_without_restoring_the_generators_and_says_so(impl, base, ckpt):
     _edit_state(lambda s: s["layout"].update(world=2, tp=2))(ckpt)
     run = one_rank_run(impl, base)
     torch.manual_seed(4321)
@@ -365,11 +349,10 @@ def _add_tensor(file: Path, tensor: str, dtype: str, shape: list[int], nbytes: i
     ],
 )
 def test_a_tensor_of_a_dtype_torch_cannot_load_is_refused_naming_the_file_and_the_tensor(
-    impl, saved, tmp_path, file, dtype, shape, nbytes
+    impl, ckpt, file, dtype, shape, nbytes
 ):
     """A dtype the safetensors format has but torch's safetensors loader does not (F8_E8M0, F4, F6): the read
     refuses with TrainingCheckpointError naming the file and the tensor, not a bare KeyError of the dtype."""
-    ckpt = copy_checkpoint(saved[0], tmp_path / "ckpt")
     _add_tensor(ckpt / file, "odd/tensor", dtype, shape, nbytes)
     _recertify(ckpt)
     with pytest.raises(impl.TrainingCheckpointError) as err:

@@ -6,7 +6,6 @@ process; a one-process run without a process group included. The resume: ``test_
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,33 +13,24 @@ from safetensors.torch import load_file
 
 from fixtures.data.training_runs import (
     ALPHA,
-    BASE_SEED,
     FILES,
     LR,
-    PRESET,
+    MASTERS,
     R,
     Run,
-    copy_checkpoint,
+    checkpoint_fixtures,
     differing,
     one_rank_run,
     sha256_of,
-    two_step_checkpoints,
 )
 
 pytestmark = pytest.mark.cpu
 
 
-@pytest.fixture(scope="module")
-def base(tiny_ckpt_factory) -> str:
-    return str(tiny_ckpt_factory(PRESET, seed=BASE_SEED))
+base, saved, ckpt = checkpoint_fixtures()
 
 
-@pytest.fixture(scope="module")
-def saved(impl, base, tmp_path_factory) -> tuple[Path, Path]:
-    return two_step_checkpoints(impl, base, tmp_path_factory.mktemp("training-checkpoints"))
-
-
-@pytest.mark.parametrize("masters", [False, True], ids=["fp32-adam", "bf16-on-fp32-masters"])
+@MASTERS
 def test_the_checkpoint_holds_the_adapter_its_optimizer_state_the_generators_and_the_trainer_state(
     impl, base, tmp_path, masters
 ):
@@ -153,23 +143,22 @@ SAVE_REFUSALS = {
 
 @pytest.mark.parametrize("label", list(SAVE_REFUSALS))
 def test_a_save_that_must_not_happen_is_refused_and_the_earlier_checkpoint_keeps_its_bytes(
-    impl, base, saved, tmp_path, label
+    impl, base, ckpt, tmp_path, label
 ):
     """A diverged run (NaN in a LoRA parameter or its optimizer state), an optimizer that does not match the LoRA
     parameters, a writer outside the world: TrainingCheckpointError naming the phase, and the checkpoint already at
     that path keeps its bytes, with nothing beside it."""
     spoil, kw, says = SAVE_REFUSALS[label]
-    target = copy_checkpoint(saved[0], tmp_path / "ckpt")
-    before = {p.name: sha256_of(p) for p in target.iterdir()}
+    before = {p.name: sha256_of(p) for p in ckpt.iterdir()}
     run = one_rank_run(impl, base)
     run.step(1)
     spoil(run)
     with pytest.raises(impl.TrainingCheckpointError) as err:
-        run.save(target, 3, **kw)
+        run.save(ckpt, 3, **kw)
     message = str(err.value)
     assert all(s in message for s in says), f"{label}: the refusal does not say {says}: {message}"
-    assert f"{target} is as it was" in message, message
-    assert {p.name: sha256_of(p) for p in target.iterdir()} == before, f"{label}: the earlier checkpoint changed"
+    assert f"{ckpt} is as it was" in message, message
+    assert {p.name: sha256_of(p) for p in ckpt.iterdir()} == before, f"{label}: the earlier checkpoint changed"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], f"{label}: {sorted(tmp_path.iterdir())}"
 
 

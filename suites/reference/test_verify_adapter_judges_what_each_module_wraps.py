@@ -172,19 +172,25 @@ def test_a_config_that_is_not_a_json_object_is_one_problem(impl, exported, tmp_p
     assert len(said) == 1, f"a config that is a JSON list, said {len(said)} times: {result.problems}"
 
 
+#: the module whose halves the tests of a half's own shape and dtype give verify_adapter, and each half's key
+Q_A = "model.layers.0.self_attn.q_a_proj"
+Q_A_HALVES = {half: f"base_model.model.{Q_A}.{half}.weight" for half in ("lora_A", "lora_B")}
+
+
+def _problems_of_halves(impl, exported, tmp_path, lora_a: torch.Tensor, lora_b: torch.Tensor) -> list[str]:
+    """What verify_adapter says of an adapter holding ``lora_a`` and ``lora_b`` as ``Q_A``'s halves, and no more."""
+    halves = {Q_A_HALVES["lora_A"]: lora_a, Q_A_HALVES["lora_B"]: lora_b}
+    return impl.verify_adapter(exported[0], peft_adapter(tmp_path / "a", {}, ["q_a_proj"], halves)).problems
+
+
 @pytest.mark.parametrize("dims", [1, 3])
 def test_a_lora_half_that_is_not_two_dimensional_is_named_with_its_shape(impl, exported, tmp_path, dims):
     """Even one whose leading dimensions agree with [r, in]: a 1-D lora_A of length r, a 3-D one [r, in, 1]."""
     out_f, in_f = base_shape(exported[0], "layers.0.attn.wq_a.weight")
     shape = [R, in_f, 1][:dims]
-    module = "model.layers.0.self_attn.q_a_proj"
-    halves = {
-        f"base_model.model.{module}.lora_A.weight": torch.zeros(shape),
-        f"base_model.model.{module}.lora_B.weight": torch.zeros(out_f, R),
-    }
-    result = impl.verify_adapter(exported[0], peft_adapter(tmp_path / "a", {}, ["q_a_proj"], halves))
-    want = f"{module}.lora_A: shape {shape}, expected [r={R}, in={in_f}]"
-    assert any(p.startswith(want) for p in result.problems), f"the {dims}-D lora_A is not named: {result.problems}"
+    problems = _problems_of_halves(impl, exported, tmp_path, torch.zeros(shape), torch.zeros(out_f, R))
+    want = f"{Q_A}.lora_A: shape {shape}, expected [r={R}, in={in_f}]"
+    assert any(p.startswith(want) for p in problems), f"the {dims}-D lora_A is not named: {problems}"
 
 
 def test_a_third_party_adapter_is_validated_without_a_base_by_what_target_modules_selects(impl, exported, tmp_path):
@@ -225,13 +231,41 @@ def test_a_lora_on_a_module_that_is_no_main_attention_projection_is_named_by_its
     assert not any(UNCHECKED in p for p in result.problems), f"{module}: a check stumbled: {result.problems}"
 
 
-def test_a_lora_on_a_one_dimensional_base_weight_is_named_as_no_weight_lora_adapts(impl, exported, tmp_path):
-    base = exported[0]
-    (hidden,) = base_shape(base, "layers.0.attn_norm.weight")
-    adapter = peft_adapter(tmp_path / "a", {"layers.0.attn_norm": (hidden, hidden)}, ["attn_norm"])
-    want = f"layers.0.attn_norm: the base weight layers.0.attn_norm.weight has shape [{hidden}], not a 2-D weight"
+def _stacked(official: str):
+    """An edit of the base storing its weight ``official`` with a third dimension (of 1)."""
+
+    def stack(adapter, base):
+        (shard,) = base.glob("*.safetensors")
+        tensors = load_file(shard)
+        tensors[official] = tensors[official].unsqueeze(-1)
+        save_file(tensors, shard)
+
+    return stack
+
+
+@pytest.mark.parametrize(
+    "module,stacked",
+    [
+        pytest.param("layers.0.attn_norm", False, id="one-dimensional-norm-weight"),
+        pytest.param("layers.0.attn.wq_a", True, id="three-dimensional-projection-weight"),
+    ],
+)
+def test_a_lora_on_a_one_or_three_dimensional_base_weight_is_named_as_no_weight_lora_adapts(
+    impl, exported, tmp_path, module, stacked
+):
+    """A norm's 1-D weight, and a base weight stored with a third dimension, are no [out, in] matrix, even when the
+    halves fit the latter's first two."""
+    official = f"{module}.weight"
+    shape = base_shape(exported[0], official)
+    base, stored, halves = exported[0], shape, (shape[0], shape[0])  # a 1-D weight: square halves of its length
+    if stacked:
+        base, stored, halves = edited_copies(exported, tmp_path, _stacked(official))[0], [*shape, 1], tuple(shape)
+    adapter = peft_adapter(tmp_path / "a", {module: halves}, [module.rsplit(".", 1)[-1]])
+    want = f"{module}: the base weight {official} has shape {stored}, not a 2-D weight"
     problems = impl.verify_adapter(base, adapter).problems
-    assert any(p.startswith(want) for p in problems), f"the norm's 1-D weight is not named: {problems}"
+    assert any(p.startswith(want) for p in problems), (
+        f"the {len(stored)}-D base weight {official} is not named: {problems}"
+    )
 
 
 def test_a_dora_adapter_is_one_line_counting_its_magnitude_vectors(impl, exported, tmp_path):
@@ -327,24 +361,6 @@ def test_an_indexer_lora_is_told_the_indexer_hazard_and_a_shared_expert_lora_no_
     assert shared and "None" not in shared[0], f"the shared expert's line: {shared}"
 
 
-def test_a_lora_on_a_three_dimensional_base_weight_is_named_as_no_weight_lora_adapts(impl, exported, tmp_path):
-    """A base weight stored with a third dimension is no [out, in] matrix, even when the halves fit its first two."""
-    official = "layers.0.attn.wq_a.weight"
-
-    def stack(adapter, base):
-        (shard,) = base.glob("*.safetensors")
-        tensors = load_file(shard)
-        tensors[official] = tensors[official].unsqueeze(-1)
-        save_file(tensors, shard)
-
-    base, _ = edited_copies(exported, tmp_path, stack)
-    out_f, in_f = base_shape(exported[0], official)
-    adapter = peft_adapter(tmp_path / "a", {"layers.0.attn.wq_a": (out_f, in_f)}, ["wq_a"])
-    want = f"layers.0.attn.wq_a: the base weight {official} has shape [{out_f}, {in_f}, 1], not a 2-D weight"
-    problems = impl.verify_adapter(base, adapter).problems
-    assert any(p.startswith(want) for p in problems), f"the 3-D base weight is not named: {problems}"
-
-
 def test_each_modules_shape_is_checked_after_a_module_on_a_weight_lora_cannot_adapt(impl, exported, tmp_path):
     base = exported[0]
     (hidden,) = base_shape(base, "layers.0.attn_norm.weight")
@@ -358,26 +374,17 @@ def test_each_modules_shape_is_checked_after_a_module_on_a_weight_lora_cannot_ad
 
 def test_a_lora_b_of_the_wrong_height_is_named_with_the_out_and_r_it_needs(impl, exported, tmp_path):
     out_f, in_f = base_shape(exported[0], "layers.0.attn.wq_a.weight")
-    module = "model.layers.0.self_attn.q_a_proj"
-    halves = {
-        f"base_model.model.{module}.lora_A.weight": torch.zeros(R, in_f),
-        f"base_model.model.{module}.lora_B.weight": torch.zeros(out_f - 1, R),
-    }
-    problems = impl.verify_adapter(exported[0], peft_adapter(tmp_path / "a", {}, ["q_a_proj"], halves)).problems
-    want = f"{module}.lora_B: shape [{out_f - 1}, {R}], expected [out={out_f}, r={R}]"
+    problems = _problems_of_halves(impl, exported, tmp_path, torch.zeros(R, in_f), torch.zeros(out_f - 1, R))
+    want = f"{Q_A}.lora_B: shape [{out_f - 1}, {R}], expected [out={out_f}, r={R}]"
     assert any(p.startswith(want) for p in problems), f"the short lora_B is not named: {problems}"
 
 
 def test_every_tensor_of_a_dtype_no_lora_weight_has_is_named(impl, exported, tmp_path):
     """An integer adapter (a quantized export, say): each of its tensors is named, not only the first."""
     out_f, in_f = base_shape(exported[0], "layers.0.attn.wq_a.weight")
-    module = "model.layers.0.self_attn.q_a_proj"
-    halves = {
-        f"base_model.model.{module}.lora_A.weight": torch.zeros(R, in_f, dtype=torch.int8),
-        f"base_model.model.{module}.lora_B.weight": torch.zeros(out_f, R, dtype=torch.int8),
-    }
-    problems = impl.verify_adapter(exported[0], peft_adapter(tmp_path / "a", {}, ["q_a_proj"], halves)).problems
-    for key in halves:
+    lora_a, lora_b = torch.zeros(R, in_f, dtype=torch.int8), torch.zeros(out_f, R, dtype=torch.int8)
+    problems = _problems_of_halves(impl, exported, tmp_path, lora_a, lora_b)
+    for key in Q_A_HALVES.values():
         assert any(p.startswith(f"{key}: dtype int8") for p in problems), f"{key} is not named: {problems}"
 
 
