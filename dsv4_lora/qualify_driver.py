@@ -11,7 +11,7 @@ the conformance judge, the suites' own rules, on one layout in one run:
 | ``base_logits`` | the base's logits equal transformers' within the judge's rule, held below one layer's effect |
 | ``train`` | every loss is finite and the last is below the first (SGD on one fixed batch) |
 | ``export`` | the directory is a PEFT adapter of exactly the requested targets, rank and alpha, with the declared success marker |
-| ``reload`` | PEFT's reload on transformers gives the trained logits within the judge's rule; inconclusive unless the least module's delta moves them more |
+| ``reload`` | PEFT's reload on transformers gives the trained logits (a run in another dtype: a float32 build that imported the export) within the judge's rule; inconclusive unless the least module's delta moves them more |
 """
 
 from __future__ import annotations
@@ -106,9 +106,8 @@ def _base_logits(found: dict[str, Any], run: DriverRun) -> Check:
 
     with torch.no_grad():
         want = oracle(ids).logits.float()
-    return _compared(
-        "base_logits", found["base_logits"], want, LOGIT_RULES[run.layout.dtype], least_layer_effect(oracle, ids)
-    )
+    rule = LOGIT_RULES[run.layout.dtype]
+    return _compared("base_logits", found["base_logits"], want, rule, least_layer_effect(oracle, ids, rule))
 
 
 def _train(found: dict[str, Any], run: DriverRun) -> Check:
@@ -135,6 +134,10 @@ def _reload(found: dict[str, Any], run: DriverRun) -> Check:
     adapter_dir = Path(run.adapter_dir)
     want = peft_logits(Path(run.base), adapter_dir, ids)
     power = least_effect(base_model(Path(run.base)), ids, *read_adapter(adapter_dir))
+    if "float32_logits" in found:  # a run in another dtype, its export imported into a float32 build
+        check = _compared("reload", found["float32_logits"], want, LOGIT_RULES["float32"], power)
+        check.detail["compared"] = "a float32 build that imported the export"
+        return check
     return _compared("reload", found["trained_logits"], want, LOGIT_RULES[run.layout.dtype], power)
 
 
@@ -146,7 +149,7 @@ JUDGED: tuple[tuple[str, str, bool], ...] = (
     ("base_logits", "base", True),
     ("train", "train", False),
     ("export", "export", False),
-    ("reload", "export", True),
+    ("reload", "reload", True),
 )
 
 

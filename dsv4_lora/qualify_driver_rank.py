@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,17 @@ def _export(s: _State) -> None:
     s.found["exported"] = True
 
 
+def _reload(s: _State) -> None:
+    """A run in another dtype: its export imported (the contract's optional ``import_adapter``) into a float32 build
+    of the same base, whose logits the reload is compared with in float32, where one module's delta is above the
+    rule (bf16 rounding of a whole forward is not)."""
+    if s.run.layout.dtype == "float32" or not type(s.driver).implements("import_adapter"):
+        return
+    model = s.driver.build(Path(s.run.base), replace(s.run.layout, dtype="float32"), s.run.lora)
+    s.driver.import_adapter(model, Path(s.run.adapter_dir))
+    s.found["float32_logits"] = _plain(s.driver.logits(model, s.ids))
+
+
 #: (step, what its progress line says, whether the steps after it need it)
 STEPS: tuple[tuple[str, str, Callable[[_State], None], bool], ...] = (
     ("detect", "detect: the base and a V3 look-alike of it", _detect, False),
@@ -103,6 +114,7 @@ STEPS: tuple[tuple[str, str, Callable[[_State], None], bool], ...] = (
     ("base", "build the base alone: load report and logits", _base, True),
     ("train", "build with LoRA and train on one batch", _train, True),
     ("export", "export the adapter (collective)", _export, True),
+    ("reload", "import the export into a float32 build (a run in another dtype)", _reload, True),
 )
 
 

@@ -197,9 +197,10 @@ __all__ = [
 ]
 
 
-def least_layer_effect(model: Any, ids: torch.Tensor) -> Power:
+def least_layer_effect(model: Any, ids: torch.Tensor, rule: Rule | None = None) -> Power:
     """The base's smallest defect a logit comparison claims to see: one layer's attention output projection
-    (``o_b_proj``) gone, least over the layers. The weights are restored exactly after each."""
+    (``o_b_proj``) gone, least over the layers, by ``rule``'s statistic (default: the largest difference). The
+    weights are restored exactly after each."""
     with torch.no_grad():
         full = model(ids).logits.float()
         effects = {}
@@ -207,7 +208,10 @@ def least_layer_effect(model: Any, ids: torch.Tensor) -> Power:
             weight = layer.self_attn.o_b_proj.weight
             saved = weight.clone()
             weight.zero_()
-            effects[f"model.layers.{i}.self_attn.o_b_proj"] = float((model(ids).logits.float() - full).abs().max())
+            changed = model(ids).logits.float()
+            effects[f"model.layers.{i}.self_attn.o_b_proj"] = (
+                rule.difference(changed, full) if rule else max_abs(changed, full)
+            )
             weight.copy_(saved)
     module = min(effects, key=effects.__getitem__)
     return Power(module, effects[module])

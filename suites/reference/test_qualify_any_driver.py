@@ -30,16 +30,17 @@ def dsv4(impl):
 
 @pytest.fixture(scope="session")
 def through_driver(tmp_path_factory, dsv4):
-    """``qualify --driver DRIVER`` once per driver and worker: (exit status, printed output, JSON report, out)."""
-    runs: dict[str, tuple[int, str, dict, Path]] = {}
+    """``qualify --driver DRIVER [OPTION ...]`` once per driver, options and worker: (exit status, printed output,
+    JSON report, out)."""
+    runs: dict[tuple[str, ...], tuple[int, str, dict, Path]] = {}
 
-    def run(driver: str) -> tuple[int, str, dict, Path]:
-        if driver not in runs:
+    def run(driver: str, *options: str) -> tuple[int, str, dict, Path]:
+        if (driver, *options) not in runs:
             out = tmp_path_factory.mktemp("qualify-driver")
-            done = dsv4("qualify", "--driver", driver, "--out", out, timeout=600)
+            done = dsv4("qualify", "--driver", driver, *options, "--out", out, timeout=600)
             report = json.loads((out / "qualify.json").read_text())
-            runs[driver] = (done.returncode, done.stdout + done.stderr, report, out)
-        return runs[driver]
+            runs[driver, *options] = (done.returncode, done.stdout + done.stderr, report, out)
+        return runs[driver, *options]
 
     return run
 
@@ -59,6 +60,21 @@ def test_the_reference_through_its_driver_passes_every_judged_check(through_driv
         d = checks[name]["detail"]
         assert d["observed"] <= d["tolerance"] < d["least_effect"], (name, d)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_bf16_run_is_reloaded_in_float32_by_importing_its_export_and_every_comparison_proves_its_power(
+    through_driver,
+):
+    """bf16 rounding of a whole forward hides one module's delta; the driver's ``import_adapter`` puts the export
+    into a float32 build, whose logits PEFT's reload must give within the float32 rule."""
+    status, printed, report, _ = through_driver(REFERENCE, "--dtype", "bfloat16")
+    checks = _checks(report)
+    assert status == 0 and all(c["passed"] is True for c in checks.values()), printed[-4000:]
+    reload, base = checks["reload"]["detail"], checks["base_logits"]["detail"]
+    assert reload["compared"] == "a float32 build that imported the export", reload
+    assert reload["observed"] <= reload["tolerance"] < reload["least_effect"], reload
+    assert base["observed"] <= base["tolerance"] < base["least_effect"], base
+    assert "mean|Δ|" in checks["base_logits"]["figure"], "bf16 logits are held by their mean difference"
 
 
 def test_a_bare_target_that_reaches_the_indexer_fails_targets_naming_the_indexer_module(through_driver):
@@ -115,7 +131,7 @@ def reference_run(through_driver):
         "trained_logits": peft_logits(Path(run.base), Path(run.adapter_dir), ids).numpy(),
         "exported": True,
     }
-    seconds = dict.fromkeys(("detect", "targets", "base", "train", "export"), 0.0)
+    seconds = dict.fromkeys(("detect", "targets", "base", "train", "export", "reload"), 0.0)
     return {"rank": 0, "found": found, "errors": {}, "seconds": seconds}, run
 
 
