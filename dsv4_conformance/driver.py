@@ -193,7 +193,7 @@ def load_driver(module: str) -> Driver:
 
     found = getattr(importlib.import_module(module), "DRIVER", None)
     if not isinstance(found, Driver):
-        raise TypeError(f"{module}.DRIVER must be an instance of conformance.driver.Driver, got {found!r}")
+        raise TypeError(f"{module}.DRIVER must be an instance of dsv4_conformance.driver.Driver, got {found!r}")
     return found
 
 

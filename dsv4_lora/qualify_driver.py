@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_conformance.driver import Layout, LoraSpec
+from dsv4_conformance.driver import Driver, Layout, LoraSpec, load_driver
 from dsv4_lora.qualify_driver_rank import STEPS, DriverRun, fixed_batch, qualify_driver_rank
 
-__all__ = ["STEP_COUNT", "Check", "DriverRun", "judge_run", "qualify_driver"]
+__all__ = ["STEP_COUNT", "Check", "DriverRun", "find_driver", "judge_run", "qualify_driver"]
 
 #: the progress lines of a run: the ranks' start, each rank step, then the judge
 STEP_COUNT = len(STEPS) + 2
@@ -188,6 +188,23 @@ def judge_run(
     return checks
 
 
+def find_driver(module: str) -> Driver:
+    """The driver ``module`` names, importable from the working directory as under ``python -m`` (a driver is the
+    user's file, rarely an installed package; the ranks inherit the path). ValueError saying what to do else."""
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return load_driver(module)
+    except ModuleNotFoundError as exc:
+        where = "run from the directory that holds it, or put that directory on PYTHONPATH"
+        raise ValueError(f"--driver {module}: {exc} ({where})") from None
+    except TypeError as exc:  # the module has no DRIVER, or not a Driver
+        raise ValueError(f"--driver {module}: {exc}") from None
+
+
 def qualify_driver(
     driver: str,
     run: DriverRun,
@@ -201,10 +218,9 @@ def qualify_driver(
 ) -> list[Check]:
     """Run the driver on ``nproc`` ranks and judge what it did. ``preload``/``before_go``: the launcher's
     (:func:`dsv4_launcher.launch.run_on_ranks`); ``step(what, seconds)``: report the judge's own step."""
-    from dsv4_conformance.driver import load_driver
     from dsv4_launcher.launch import run_on_ranks
 
-    marker = load_driver(driver).success_marker
+    marker = find_driver(driver).success_marker
     payloads = run_on_ranks(
         qualify_driver_rank, run, nproc=nproc, timeout_s=timeout_s, preload=preload, before_go=before_go
     )

@@ -79,8 +79,17 @@ def check_qualify_usage(args: argparse.Namespace) -> None:
     args.target_list = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     if not args.target_list:
         raise UsageError(f"--targets {args.targets!r} names no target; give comma-separated names such as wq_a,wo_b")
-    if args.driver and args.dialect != "transformers":
-        raise UsageError(f"--dialect {args.dialect} with --driver: a driver exports PEFT's transformers dialect only")
+    if args.driver:
+        from dsv4_lora.qualify_driver import find_driver
+
+        if args.dialect != "transformers":
+            raise UsageError(
+                f"--dialect {args.dialect} with --driver: a driver exports PEFT's transformers dialect only"
+            )
+        try:
+            find_driver(args.driver)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     args.ranks = args.nproc or args.tp * args.pp * args.ep
     if args.ranks % (args.tp * args.pp) or args.ranks % (args.ep * args.pp):
         raise UsageError(

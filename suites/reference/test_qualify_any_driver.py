@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dsv4_lora.qualify_driver import judge_run
-from fixtures.runner.subproc import cli_runner
+from fixtures.runner.subproc import cli_runner, run
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("qualify-driver")]
 
@@ -86,8 +87,13 @@ def test_a_bare_target_that_reaches_the_indexer_fails_targets_naming_the_indexer
     assert checks["detect"]["passed"] and checks["load"]["passed"], "the defect is the targets', not the base's"
 
 
-def test_a_driver_that_implements_nothing_fails_every_check_naming_the_missing_method(through_driver):
-    status, printed, report, _ = through_driver("implementations.empty")
+def test_a_driver_that_implements_nothing_fails_every_check_naming_the_missing_method(tmp_path):
+    """Run as a user runs it: the installed ``dsv4-lora`` in the directory holding the driver module (which is not
+    an installed package), so the driver is found there, by the launcher and by every rank."""
+    installed = Path(sys.executable).with_name("dsv4-lora")
+    done = run([str(installed), "qualify", "--driver", "implementations.empty", "--out", str(tmp_path)], timeout=300)
+    status, printed = done.returncode, done.stdout + done.stderr
+    report = json.loads((tmp_path / "qualify.json").read_text())
     checks = _checks(report)
     assert status == 1, printed[-4000:]
     assert all(c["passed"] is False for c in checks.values()), checks
@@ -100,6 +106,14 @@ def test_a_dialect_other_than_peft_is_refused_with_a_driver_before_anything_runs
     done = dsv4("qualify", "--driver", REFERENCE, "--dialect", "official", "--out", tmp_path / "q", timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--dialect official with --driver" in done.stderr
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_driver_module_that_cannot_be_imported_is_refused_naming_it_and_what_to_do(dsv4, tmp_path):
+    done = dsv4("qualify", "--driver", "no_such_driver_module", "--out", tmp_path / "q", timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--driver no_such_driver_module: No module named 'no_such_driver_module'" in done.stderr
+    assert "PYTHONPATH" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "q").exists()
 
 
