@@ -21,11 +21,13 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from dsv4_conformance.driver import Driver, Layout, LoraSpec, load_driver
-from dsv4_lora.qualify_driver_rank import STEPS, DriverRun, fixed_batch, qualify_driver_rank
+from dsv4_conformance.judge.oracle import fixed_batch
+from dsv4_lora.qualify_driver_rank import STEPS, DriverRun, qualify_driver_rank
 
 __all__ = ["STEP_COUNT", "Check", "DriverRun", "find_driver", "judge_run", "qualify_driver"]
 
@@ -43,15 +45,34 @@ class Check:
     inconclusive: bool = False  # not passed: the comparison could not have seen the defect it claims to catch
 
 
-def _detect(found: dict[str, Any], run: DriverRun) -> Check:
+@dataclass
+class _Judging:
+    """One run under judgement: transformers' model of the base and the fixed batch, each made once, when a check
+    first needs it."""
+
+    run: DriverRun
+    marker: str | None
+
+    @cached_property
+    def oracle(self) -> Any:
+        from dsv4_conformance.judge.oracle import base_model
+
+        return base_model(Path(self.run.base))
+
+    @cached_property
+    def ids(self) -> Any:
+        return fixed_batch(self.run.base, self.run.seed)[0]
+
+
+def _detect(found: dict[str, Any], j: _Judging) -> Check:
     yes, lookalike = found["recognised"], found["recognised_lookalike"]
     figure = f"recognises the base: {yes}; recognises it named DeepseekV3ForCausalLM: {lookalike}"
     return Check("detect", yes and not lookalike, figure)
 
 
-def _targets(found: dict[str, Any], run: DriverRun) -> Check:
-    config = json.loads((Path(run.base) / "config.json").read_text())
-    targets = run.lora.targets
+def _targets(found: dict[str, Any], j: _Judging) -> Check:
+    config = json.loads((Path(j.run.base) / "config.json").read_text())
+    targets = j.run.lora.targets
     meant = {f"layers.{i}.attn.{t}" for i in range(config["num_hidden_layers"]) for t in targets}
     got = set(found["modules"])
 
@@ -68,7 +89,7 @@ def _targets(found: dict[str, Any], run: DriverRun) -> Check:
     return Check("targets", not missing and not extra, figure, {"missing": missing, "not_meant": extra})
 
 
-def _load(found: dict[str, Any], run: DriverRun) -> Check:
+def _load(found: dict[str, Any], j: _Judging) -> Check:
     load = found["load"]
     clean = load["loaded"] > 0 and not load["missing"] and not load["unexpected"]
     figure = f"{load['loaded']} tensors placed, {len(load['missing'])} missing, {len(load['unexpected'])} unexpected"
@@ -97,20 +118,18 @@ def _compared(name: str, got: Any, want: Any, rule: Any, power: Any) -> Check:
     )
 
 
-def _base_logits(found: dict[str, Any], run: DriverRun) -> Check:
-    from dsv4_conformance.judge.oracle import LOGIT_RULES, base_model, least_layer_effect
-
-    oracle = base_model(Path(run.base))
-    ids, _ = fixed_batch(run.base, run.seed)
+def _base_logits(found: dict[str, Any], j: _Judging) -> Check:
     import torch
 
+    from dsv4_conformance.judge.oracle import LOGIT_RULES, least_layer_effect
+
     with torch.no_grad():
-        want = oracle(ids).logits.float()
-    rule = LOGIT_RULES[run.layout.dtype]
-    return _compared("base_logits", found["base_logits"], want, rule, least_layer_effect(oracle, ids, rule))
+        want = j.oracle(j.ids).logits.float()
+    rule = LOGIT_RULES[j.run.layout.dtype]
+    return _compared("base_logits", found["base_logits"], want, rule, least_layer_effect(j.oracle, j.ids, rule))
 
 
-def _train(found: dict[str, Any], run: DriverRun) -> Check:
+def _train(found: dict[str, Any], j: _Judging) -> Check:
     losses = found["losses"]
     finite = all(math.isfinite(x) for x in losses)
     falls = len(losses) >= 2 and losses[-1] < losses[0]
@@ -118,22 +137,22 @@ def _train(found: dict[str, Any], run: DriverRun) -> Check:
     return Check("train", finite and falls, figure, {"losses": losses})
 
 
-def _export(found: dict[str, Any], run: DriverRun, marker: str | None) -> Check:
+def _export(found: dict[str, Any], j: _Judging) -> Check:
     from dsv4_conformance.judge.artifacts import Expected, judge_adapter_dir
 
+    run = j.run
     expected = Expected(run.lora.targets, run.lora.rank, run.lora.alpha)
-    problems = judge_adapter_dir(Path(run.adapter_dir), Path(run.base), expected=expected, marker=marker)
+    problems = judge_adapter_dir(Path(run.adapter_dir), Path(run.base), expected=expected, marker=j.marker)
     figure = "a PEFT adapter of the requested targets" if not problems else f"{len(problems)} problem(s): {problems[0]}"
     return Check("export", not problems, figure, {"problems": [str(p) for p in problems]})
 
 
-def _reload(found: dict[str, Any], run: DriverRun) -> Check:
-    from dsv4_conformance.judge.oracle import LOGIT_RULES, base_model, least_effect, peft_logits, read_adapter
+def _reload(found: dict[str, Any], j: _Judging) -> Check:
+    from dsv4_conformance.judge.oracle import LOGIT_RULES, least_effect, peft_logits, read_adapter
 
-    ids, _ = fixed_batch(run.base, run.seed)
-    adapter_dir = Path(run.adapter_dir)
-    want = peft_logits(Path(run.base), adapter_dir, ids)
-    power = least_effect(base_model(Path(run.base)), ids, *read_adapter(adapter_dir))
+    run, adapter_dir = j.run, Path(j.run.adapter_dir)
+    want = peft_logits(Path(run.base), adapter_dir, j.ids)
+    power = least_effect(j.oracle, j.ids, *read_adapter(adapter_dir))
     if "float32_logits" in found:  # a run in another dtype, its export imported into a float32 build
         check = _compared("reload", found["float32_logits"], want, LOGIT_RULES["float32"], power)
         check.detail["compared"] = "a float32 build that imported the export"
@@ -141,15 +160,15 @@ def _reload(found: dict[str, Any], run: DriverRun) -> Check:
     return _compared("reload", found["trained_logits"], want, LOGIT_RULES[run.layout.dtype], power)
 
 
-#: each check, the rank step whose result it reads, and whether it needs the oracle (transformers' model)
-JUDGED: tuple[tuple[str, str, bool], ...] = (
-    ("detect", "detect", False),
-    ("targets", "targets", False),
-    ("load", "base", False),
-    ("base_logits", "base", True),
-    ("train", "train", False),
-    ("export", "export", False),
-    ("reload", "reload", True),
+#: each check, the rank step whose result it reads, its rule, and whether it needs the oracle (transformers' model)
+JUDGED: tuple[tuple[str, str, Callable[[dict[str, Any], _Judging], Check], bool], ...] = (
+    ("detect", "detect", _detect, False),
+    ("targets", "targets", _targets, False),
+    ("load", "base", _load, False),
+    ("base_logits", "base", _base_logits, True),
+    ("train", "train", _train, False),
+    ("export", "export", _export, False),
+    ("reload", "reload", _reload, True),
 )
 
 
@@ -157,18 +176,10 @@ def judge_run(
     payloads: Sequence[dict[str, Any]], run: DriverRun, *, marker: str | None, oracle: bool = True
 ) -> list[Check]:
     """Every check from rank 0's findings; a step that raised on any rank fails its checks, naming rank and error."""
-    rules: dict[str, Callable[..., Check]] = {
-        "detect": _detect,
-        "targets": _targets,
-        "load": _load,
-        "base_logits": _base_logits,
-        "train": _train,
-        "export": lambda f, r: _export(f, r, marker),
-        "reload": _reload,
-    }
+    judging = _Judging(run, marker)
     found, seconds = payloads[0]["found"], payloads[0]["seconds"]
     checks = []
-    for name, step, needs_oracle in JUDGED:
+    for name, step, rule, needs_oracle in JUDGED:
         raised = [(p["rank"], p["errors"][step]) for p in payloads if step in p["errors"]]
         if raised:
             rank, error = raised[0]
@@ -180,7 +191,7 @@ def judge_run(
         else:
             t0 = time.perf_counter()
             try:
-                check = rules[name](found, run)
+                check = rule(found, judging)
             except Exception as exc:  # what the driver gave cannot even be judged (PEFT cannot load the export)
                 check = Check(name, False, f"cannot be judged: {type(exc).__name__}: {exc}"[:300])
             check.seconds = round(seconds[step] + time.perf_counter() - t0, 3)

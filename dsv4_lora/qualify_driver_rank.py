@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_conformance.driver import DriverMissing, Layout, LoraSpec, load_driver
+from dsv4_conformance.judge.oracle import fixed_batch
 
 #: plain SGD's step size on the one fixed batch (the contract's ``train_step`` is plain SGD)
 LR = 0.5
@@ -45,20 +46,6 @@ class _State:
     model: Any = None
     ids: Any = None
     labels: Any = None
-
-
-def fixed_batch(base: str, seed: int, batch: int = 2) -> tuple[Any, Any]:
-    """(input ids, next-token labels), the same on every rank and in the judge: ``batch`` sequences long enough
-    for every attention of the base (``tiny_models.presets.min_seq_len``)."""
-    import torch
-    from transformers import DeepseekV4Config
-
-    from tiny_models.presets import min_seq_len
-
-    config = DeepseekV4Config.from_dict(json.loads((Path(base) / "config.json").read_text()))
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (batch, min_seq_len(config)), generator=g)
-    return ids, torch.roll(ids, -1, dims=1)
 
 
 def _plain(tensor: Any) -> Any:

@@ -100,6 +100,25 @@ def read_adapter(adapter_dir: Path) -> tuple[Adapter, float]:
     return {m: (h["A"], h["B"]) for m, h in found.items()}, scale
 
 
+#: sequences in the fixed batch every program and qualify draws
+BATCH = 2
+
+
+def fixed_batch(base: str | Path, seed: int, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, next-token labels), the same on every rank and in the judge: ``batch`` sequences drawn from
+    ``seed``, long enough for every attention of the base (``tiny_models.presets.min_seq_len``)."""
+    import json
+
+    from transformers import DeepseekV4Config
+
+    from tiny_models.presets import min_seq_len
+
+    config = DeepseekV4Config.from_dict(json.loads((Path(base) / "config.json").read_text()))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (batch, min_seq_len(config)), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
 def base_model(base: Path) -> Any:
     """transformers' model of ``base`` in float32, evaluation mode (the oracle's own loader, strict)."""
     from tiny_models.oracle import load_oracle

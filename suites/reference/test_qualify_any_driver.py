@@ -123,9 +123,8 @@ def test_a_driver_module_that_cannot_be_imported_is_refused_naming_it_and_what_t
 @pytest.fixture(scope="module")
 def reference_run(through_driver):
     """The reference's passing run, rebuilt as the ranks' payload: (payload, DriverRun), to be spoiled one way."""
-    from dsv4_conformance.judge.oracle import peft_logits
+    from dsv4_conformance.judge.oracle import fixed_batch, peft_logits
     from dsv4_lora.qualify_driver import driver_run
-    from dsv4_lora.qualify_driver_rank import fixed_batch
 
     _, _, report, out = through_driver(REFERENCE)
     checks = _checks(report)
