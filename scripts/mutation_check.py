@@ -2,6 +2,7 @@
 and check that the tests named for it fail.
 
     .venv/bin/python scripts/mutation_check.py [--only NAME[,NAME...]] [--jobs N] [--timeout S] [--keep]
+                                               [--earlier-run JUNIT]
 
 Per mutation: copy ``impl/`` under the package name ``impl_mutant`` with the change applied (never to the tree), run
 only its tests against the copy in a pytest subprocess (``--impl impl_mutant``, ``-x``, stops at the first failure),
@@ -9,6 +10,10 @@ and record KILLED (a test failed: its id is reported) or SURVIVED (all passed). 
 each killing test passes on the unmutated copy (one pytest run over those very test nodes), otherwise a "kill" proves
 nothing. ERROR: the change no longer applies exactly once (the code moved), the killing test fails unmutated too, the run
 did not test the copy, collected nothing, crashed or timed out. Exit status 0 only when every mutation is KILLED.
+
+``--earlier-run JUNIT``: the JUnit XML of a run of the suite on the unmutated implementation, moments before (CI's main
+run). A killing test that passed there needs no control run, and the rows start longest first by their tests'
+durations there (``fixtures/mutations/earlier_run.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from fixtures.mutations import CATALOGUE, Seeded, change_problem  # noqa: E402
+from fixtures.mutations.earlier_run import EarlierRun, read_earlier_run  # noqa: E402
 from fixtures.runner.impl_copy import MutationError, copy_implementation  # noqa: E402
 from fixtures.runner.subproc import pytest_outcomes  # noqa: E402
 from fixtures.runner.warm_pytest import pytest_on_copy  # noqa: E402
@@ -99,14 +105,23 @@ def _buckets(functions: list[str], jobs: int) -> list[list[str]]:
     return groups
 
 
-def run_control(killed: list[Outcome], work: Path, timeout: float, jobs: int = 1) -> dict[str, str]:
+def run_control(
+    killed: list[Outcome], work: Path, timeout: float, jobs: int = 1, earlier: EarlierRun | None = None
+) -> dict[str, str]:
     """Entry name -> why its killing test fails on the unmutated copy too (absent: the kill stands). The control
     runs each killing test once (the very node that killed, parametrization included: the others prove nothing
-    about that kill), against a copy without any mutation, split over ``jobs`` concurrent pytest runs."""
-    if not killed:
+    about that kill), against a copy without any mutation, split over ``jobs`` concurrent pytest runs; a node that
+    passed in ``earlier`` (the unmutated implementation itself) is proven already."""
+    proven = earlier.passed if earlier is not None else frozenset()
+    functions = list(dict.fromkeys(o.detail for o in killed if o.detail not in proven))
+    if proven:
+        print(
+            f"control: {len({o.detail for o in killed}) - len(functions)} killing tests passed in the earlier run",
+            file=sys.stderr,
+        )
+    if not functions:
         return {}
     copy = copy_implementation(work / "control", name=COPY_NAME)
-    functions = list(dict.fromkeys(o.detail for o in killed))
     groups = _buckets(functions, jobs)
     with ThreadPoolExecutor(max_workers=len(groups)) as pool:
         runs = list(pool.map(lambda g: _pytest(copy.path, g, None, stop_first=False, timeout=timeout), groups))
@@ -141,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="mutations run concurrently (default 2)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per mutation run (default 300)")
     parser.add_argument("--keep", action="store_true", help="keep the copies (their directory is printed)")
+    parser.add_argument(
+        "--earlier-run",
+        type=Path,
+        metavar="JUNIT",
+        help="JUnit XML of a run on the unmutated implementation: its passed tests need no control; rows start "
+        "longest first by its durations",
+    )
     args = parser.parse_args(argv)
     wanted = [n for item in args.only for n in item.split(",") if n]
     known = {e.name for e in CATALOGUE}
@@ -151,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="dsv4-mutants-"))
     outcomes = {e.name: Outcome(e, ERROR, why) for e in entries if (why := change_problem(e)) is not None}
+    earlier = read_earlier_run(args.earlier_run, REPO_ROOT) if args.earlier_run else None
     runnable = [e for e in entries if e.name not in outcomes]
+    runnable = earlier.longest_first(runnable) if earlier is not None else runnable
     try:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             futures = {pool.submit(run_mutant, e, work, args.timeout): e for e in runnable}
@@ -163,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
         killed = [outcomes[e.name] for e in runnable if outcomes[e.name].result == KILLED]
-        for name, why in run_control(killed, work, args.timeout * 3, args.jobs).items():
+        for name, why in run_control(killed, work, args.timeout * 3, args.jobs, earlier).items():
             outcomes[name] = Outcome(outcomes[name].entry, ERROR, why, outcomes[name].seconds)
     finally:
         if args.keep:

@@ -138,3 +138,43 @@ def test_a_broken_row_is_reported(tmp_path, entry, needle):
 def test_the_failure_mode_table_is_read_to_its_last_row():
     readme = "intro\n\n| failure mode | proof |\n|---|---|\n| one | a |\n| two | b |\n\nmore\n| x | y |\n"
     assert readme_failure_modes(readme) == ["one", "two"]
+
+
+_JUNIT = """<testsuites><testsuite>
+<testcase classname="suites.reference.test_cli" name="test_default_qualify_passes[tp1]@cli" time="30.5" />
+<testcase classname="suites.reference.test_cli" name="test_default_qualify_passes[tp2]@cli" time="40.0">
+  <failure message="boom" /></testcase>
+<testcase classname="suites.reference.test_cli" name="test_skipped" time="0.1"><skipped /></testcase>
+<testcase classname="suites.reference.test_cli" name="test_setup_broke" time="2.0"><error /></testcase>
+<testcase classname="suites.meta.test_mutations" name="test_fast" time="0.5" />
+<testcase classname="suites.meta.test_mutations.TestInside" name="test_in_a_class" time="1.0" />
+</testsuite></testsuites>"""
+
+
+def test_an_earlier_run_proves_only_what_passed_there_and_orders_rows_longest_first(tmp_path):
+    """The mutation check's ``--earlier-run``: a node that failed, errored or was skipped there still needs its
+    control run; xdist's ``@group`` suffix and test classes map to the node ids the kill runs report."""
+    from fixtures.mutations.earlier_run import read_earlier_run
+
+    (tmp_path / "suites" / "reference").mkdir(parents=True)
+    (tmp_path / "suites" / "meta").mkdir()
+    for f in ("suites/reference/test_cli.py", "suites/meta/test_mutations.py"):
+        (tmp_path / f).write_text("")
+    (tmp_path / "run.xml").write_text(_JUNIT)
+    run = read_earlier_run(tmp_path / "run.xml", tmp_path)
+    assert run.passed == {
+        "suites/reference/test_cli.py::test_default_qualify_passes[tp1]",
+        "suites/meta/test_mutations.py::test_fast",
+        "suites/meta/test_mutations.py::TestInside::test_in_a_class",
+    }
+    qualify = "suites/reference/test_cli.py::test_default_qualify_passes"
+    assert run.estimate((qualify,), None) == 70.5 and run.estimate((qualify,), "tp2") == 40.0
+    assert run.estimate(("suites/meta/test_mutations.py",), None) == 1.5
+    assert run.estimate(("suites/reference/test_cli.py::test_default",), None) is None  # a prefix of a name is not
+    rows = [
+        Seeded("fast", "x", TextMutation("a.py", "a", "b"), ("suites/meta/test_mutations.py::test_fast",), why="."),
+        Seeded("unknown", "x", TextMutation("a.py", "a", "b"), ("suites/x.py",), why="."),
+        Seeded("slow", "x", TextMutation("a.py", "a", "b"), (qualify,), why="."),
+        Seeded("middle", "x", TextMutation("a.py", "a", "b"), ("suites/meta/test_mutations.py",), why="."),
+    ]
+    assert [r.name for r in run.longest_first(rows)] == ["slow", "unknown", "middle", "fast"]  # unknown: the median
