@@ -176,19 +176,38 @@ def _coverage(found: Iterable[str], expected: Expected, layers: int) -> list[Pro
     )
 
 
-def _target_modules(config: Mapping[str, Any], found: Iterable[str], modules: Iterable[str]) -> list[Problem]:
-    """PEFT's own matching of ``target_modules`` over transformers' module names: nothing nested reached, every
-    adapted module reached (an unreached one is loaded nowhere: the adapter silently loses it)."""
+def _lora_wraps(class_name: str) -> bool:
+    """Whether PEFT's LoRA can wrap a module of transformers' V4 tree of this class: the layer types its error names
+    (``Target module ... is not supported``), subclasses included (the grouped ``o_a_proj`` is a ``Linear``)."""
+    import torch
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4
+    from transformers.pytorch_utils import Conv1D
+
+    cls = getattr(torch.nn, class_name, None) or getattr(modeling_deepseek_v4, class_name, None)
+    nn = torch.nn
+    wrapped = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, Conv1D)
+    return isinstance(cls, type) and issubclass(cls, wrapped)
+
+
+def _target_modules(
+    config: Mapping[str, Any], found: Iterable[str], modules: Iterable[tuple[str, str, Any]]
+) -> list[Problem]:
+    """PEFT's own matching of ``target_modules`` over transformers' modules: nothing nested reached, nothing
+    reached that LoRA cannot wrap (a norm, a router: PEFT refuses to load), every adapted module reached (an
+    unreached one is loaded nowhere: the adapter silently loses it)."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
     cfg = LoraConfig(target_modules=config["target_modules"], r=1)
-    matched = {m for m in modules if check_target_module_exists(cfg, m)}
+    matched = {name: cls for name, cls, _ in modules if check_target_module_exists(cfg, name)}
     nested = sorted(m for m in matched if any(n in m for n in NESTED))
-    unreached = sorted(set(found) - matched)
+    unwrappable = sorted(f"{m} ({cls})" for m, cls in matched.items() if not _lora_wraps(cls))
+    unreached = sorted(set(found) - set(matched))
     where = f"{CONFIG_FILE} target_modules {config['target_modules']!r}"
-    return _grouped("targets", where, "indexer or compressor modules matched by PEFT", nested) + _grouped(
-        "targets", where, "adapted modules not matched (PEFT would drop their weights)", unreached
+    return (
+        _grouped("targets", where, "indexer or compressor modules matched by PEFT", nested)
+        + _grouped("targets", where, "modules matched that LoRA cannot wrap (PEFT refuses to load)", unwrappable)
+        + _grouped("targets", where, "adapted modules not matched (PEFT would drop their weights)", unreached)
     )
 
 
@@ -249,7 +268,7 @@ def judge_adapter_dir(
         layers = json.loads(config_text)["num_hidden_layers"]
         problems += _coverage(found, expected, layers)
     if "target_modules" in config:
-        problems += _target_modules(config, found, names)
+        problems += _target_modules(config, found, modules)
     problems += _shapes(found, base_weight_shapes(base), config.get("r"))
     problems += _finite(found)
     if marker is not None and not (adapter / marker).is_file():

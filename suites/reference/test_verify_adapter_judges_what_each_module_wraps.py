@@ -442,3 +442,24 @@ def test_an_official_naming_adapter_is_judged_by_the_file_checks_alone(impl, exp
     assert result.ok and not result.problems, f"a sound official-naming adapter: {result.problems}"
     for name in ("conformance", "forward"):
         assert rows[name].passed is None and rows[name].figure.startswith("only for"), f"{name}: {rows[name]}"
+
+
+def test_the_judge_refuses_a_target_modules_that_reaches_a_norm_which_peft_will_not_load(exported, tmp_path):
+    """PEFT's LoRA wraps linear layers only: a ``target_modules`` that also selects ``kv_norm`` makes PEFT refuse the
+    whole adapter (``Target module ... is not supported``), so the conformance judge names the norm; the same
+    adapter selecting its projection alone passes."""
+    from peft import PeftModel
+
+    from dsv4_conformance.judge.artifacts import judge_adapter_dir
+    from tiny_models.oracle import load_oracle
+
+    base = exported[0]
+    modules = {"model.layers.0.self_attn.q_a_proj": base_shape(base, "layers.0.attn.wq_a.weight")}
+    layer = r"model\.layers\.0\.self_attn\."
+    fits = peft_adapter(tmp_path / "fits", modules, layer + "q_a_proj")
+    assert judge_adapter_dir(fits, base) == [], "the control: the projection alone is a valid adapter"
+    norm = peft_adapter(tmp_path / "norm", modules, layer + "(q_a_proj|kv_norm)")
+    problems = [str(p) for p in judge_adapter_dir(norm, base)]
+    assert any("model.layers.0.self_attn.kv_norm (DeepseekV4RMSNorm)" in p for p in problems), problems
+    with pytest.raises(ValueError, match="is not supported"):
+        PeftModel.from_pretrained(load_oracle(base), str(norm))
