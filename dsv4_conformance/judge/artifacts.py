@@ -9,6 +9,7 @@ tensor or target, with a count and an example when a cause has many instances.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -105,6 +106,10 @@ def _files(adapter: Path) -> list[Problem]:
     return problems
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _config(adapter: Path, expected: Expected | None) -> tuple[dict[str, Any] | None, list[Problem]]:
     try:
         config = json.loads((adapter / CONFIG_FILE).read_text())
@@ -114,9 +119,10 @@ def _config(adapter: Path, expected: Expected | None) -> tuple[dict[str, Any] | 
     if config.get("peft_type") != "LORA":
         problems.append(Problem("config", CONFIG_FILE, f"peft_type is {config.get('peft_type')!r}, not 'LORA'"))
     r, alpha = config.get("r"), config.get("lora_alpha")
-    if not (isinstance(r, int) and r > 0):
+    # JSON's true reads as 1 in Python (bool is an int), but it is no number: an engine may read it otherwise
+    if not (isinstance(r, int) and not isinstance(r, bool) and r > 0):
         problems.append(Problem("config", CONFIG_FILE, f"r is {r!r}, not a positive integer"))
-    if not (isinstance(alpha, int | float) and alpha > 0 and alpha == alpha and alpha != float("inf")):
+    if not (_number(alpha) and alpha > 0 and math.isfinite(alpha)):
         problems.append(Problem("config", CONFIG_FILE, f"lora_alpha is {alpha!r}, not a positive number"))
     if not isinstance(config.get("target_modules"), list | str):
         problems.append(Problem("config", CONFIG_FILE, "target_modules is missing: PEFT would wrap nothing"))

@@ -324,15 +324,29 @@ def test_the_judges_problems_are_not_listed_again_beside_the_checks_own(impl, ex
     assert not repeated, f"{case}: the judge's problems listed again: {repeated}"
 
 
-def test_a_problem_only_the_conformance_judge_sees_is_listed_and_fails_its_row(impl, exported, tmp_path):
-    """``lora_alpha`` Infinity (what ``json.dumps`` writes for an infinite float) passes the checks above the judge;
-    the judge refuses it: its row fails and its problem is listed, prefixed ``conformance:``."""
-    base, adapter = edited_copies(exported, tmp_path, with_config(lora_alpha=float("inf")))
+@pytest.mark.parametrize("alpha", [float("inf"), True], ids=["infinity", "true"])
+def test_a_problem_only_the_conformance_judge_sees_is_listed_and_fails_its_row(impl, exported, tmp_path, alpha):
+    """``lora_alpha`` Infinity (what ``json.dumps`` writes for an infinite float) or JSON's ``true`` (a bool, which
+    Python counts as 1) passes the checks above the judge; the judge refuses it: its row fails and its problem is
+    listed, prefixed ``conformance:``."""
+    base, adapter = edited_copies(exported, tmp_path, with_config(lora_alpha=alpha))
     result = impl.verify_adapter(base, adapter, judge=True)
     row = next(c for c in result.checks if c.name == "conformance")
     listed = [p for p in result.problems if p.startswith("conformance:") and "lora_alpha" in p]
-    assert row.passed is False and not result.ok, f"the judge's row passed lora_alpha=inf: {row}"
+    assert row.passed is False and not result.ok, f"the judge's row passed lora_alpha={alpha!r}: {row}"
     assert listed, f"the judge's lora_alpha problem is not listed: {result.problems}"
+
+
+def test_the_judge_reads_a_json_true_as_no_rank_and_no_alpha(exported, tmp_path):
+    """``true`` is no number, though Python counts it as 1: the judge names ``r`` and ``lora_alpha`` each; the
+    control, the exported adapter as it is, passes."""
+    from dsv4_conformance.judge.artifacts import judge_adapter_dir
+
+    assert judge_adapter_dir(exported[1], exported[0]) == [], "the control: the export as it is"
+    base, adapter = edited_copies(exported, tmp_path, with_config(r=True, lora_alpha=True))
+    problems = [str(p) for p in judge_adapter_dir(adapter, base)]
+    for field in ("r is True, not a positive integer", "lora_alpha is True, not a positive number"):
+        assert any(field in p for p in problems), f"{field!r} not among {problems}"
 
 
 def test_an_adapter_peft_refuses_to_load_fails_the_forward_check_naming_peft_s_reason(impl, exported, tmp_path):
