@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,18 @@ def run_control(
     return broken
 
 
+def _earlier_run(junit: Path | None) -> EarlierRun | None:
+    """The record ``--earlier-run`` names; None (every control runs, the catalogue's order) where it is absent or
+    unreadable, as after a main run that stopped before writing it."""
+    if junit is None:
+        return None
+    try:
+        return read_earlier_run(junit, REPO_ROOT)
+    except (OSError, ValueError, ET.ParseError) as exc:
+        print(f"mutation_check: {junit} is no JUnit record ({exc}); every control runs", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[], help="mutation name(s), comma-separated; repeatable")
@@ -173,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="dsv4-mutants-"))
     outcomes = {e.name: Outcome(e, ERROR, why) for e in entries if (why := change_problem(e)) is not None}
-    earlier = read_earlier_run(args.earlier_run, REPO_ROOT) if args.earlier_run else None
+    earlier = _earlier_run(args.earlier_run)
     runnable = [e for e in entries if e.name not in outcomes]
     runnable = earlier.longest_first(runnable) if earlier is not None else runnable
     try:
