@@ -147,13 +147,16 @@ _JUNIT = """<testsuites><testsuite>
 <testcase classname="suites.reference.test_cli" name="test_skipped" time="0.1"><skipped /></testcase>
 <testcase classname="suites.reference.test_cli" name="test_setup_broke" time="2.0"><error /></testcase>
 <testcase classname="suites.meta.test_mutations" name="test_fast" time="0.5" />
+<testcase classname="suites.meta.test_mutations" name="test_torn_down_badly" time="0.5" />
+<testcase classname="suites.meta.test_mutations" name="test_torn_down_badly" time="0.0"><error /></testcase>
 <testcase classname="suites.meta.test_mutations.TestInside" name="test_in_a_class" time="1.0" />
 </testsuite></testsuites>"""
 
 
 def test_an_earlier_run_proves_only_what_passed_there_and_orders_rows_longest_first(tmp_path):
     """The mutation check's ``--earlier-run``: a node that failed, errored or was skipped there still needs its
-    control run; xdist's ``@group`` suffix and test classes map to the node ids the kill runs report."""
+    control run, and so does one recorded twice whose teardown errored; xdist's ``@group`` suffix and test classes
+    map to the node ids the kill runs report."""
     from fixtures.mutations.earlier_run import read_earlier_run
 
     (tmp_path / "suites" / "reference").mkdir(parents=True)
@@ -169,7 +172,7 @@ def test_an_earlier_run_proves_only_what_passed_there_and_orders_rows_longest_fi
     }
     qualify = "suites/reference/test_cli.py::test_default_qualify_passes"
     assert run.estimate((qualify,), None) == 70.5 and run.estimate((qualify,), "tp2") == 40.0
-    assert run.estimate(("suites/meta/test_mutations.py",), None) == 1.5
+    assert run.estimate(("suites/meta/test_mutations.py",), None) == 2.0
     assert run.estimate(("suites/reference/test_cli.py::test_default",), None) is None  # a prefix of a name is not
     rows = [
         Seeded("fast", "x", TextMutation("a.py", "a", "b"), ("suites/meta/test_mutations.py::test_fast",), why="."),
