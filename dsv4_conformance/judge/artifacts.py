@@ -120,7 +120,7 @@ def _config(adapter: Path, expected: Expected | None) -> tuple[dict[str, Any] | 
         problems.append(Problem("config", CONFIG_FILE, f"peft_type is {config.get('peft_type')!r}, not 'LORA'"))
     r, alpha = config.get("r"), config.get("lora_alpha")
     # JSON's true reads as 1 in Python (bool is an int), but it is no number: an engine may read it otherwise
-    if not (isinstance(r, int) and not isinstance(r, bool) and r > 0):
+    if not (_number(r) and isinstance(r, int) and r > 0):
         problems.append(Problem("config", CONFIG_FILE, f"r is {r!r}, not a positive integer"))
     if not (_number(alpha) and alpha > 0 and math.isfinite(alpha)):
         problems.append(Problem("config", CONFIG_FILE, f"lora_alpha is {alpha!r}, not a positive number"))
