@@ -327,39 +327,26 @@ def _drop_target_qualification(package_dir: Path) -> None:
         fh.write("\n\ndef qualify_targets(targets, *args, **kwargs):  # mutant\n    return targets\n")
 
 
-# (mutation, tests that must fail against it): each runs in a pytest subprocess with --impl <the mutant's name>.
+#: The control's selection: killing tests of the mutation check's catalogue (fixtures/mutations/catalogue/), one per
+#: kind of run (a plain test, a module fixture, two ranks, the export fault matrix, the recipe's rank function). The
+#: unbroken copy passing them shows renaming the package breaks none of them, which is what lets the mutation check
+#: take its control from CI's main run (scripts/mutation_check.py --earlier-run).
+CONTROL_SELECTION = (
+    "suites/reference/test_export_format.py::test_grouped_o_a_proj_runs_unmerged_through_the_grouped_peft_layer",
+    "suites/reference/test_target_qualifier.py::test_bare_wkv_never_matches_a_compressor",
+    "suites/reference/test_provider.py::test_ddp_is_built_after_the_pre_wrap_hook",
+    "suites/reference/test_recipe.py::test_gpu32_rank_function_trains_and_exports_the_tiny_variant_on_two_cpu_ranks",
+    "suites/reference/test_export_collective.py::"
+    "test_failure_in_any_phase_on_any_rank_raises_the_same_error_everywhere_and_publishes_nothing[ws2-rank1-write]",
+)
+#: (mutation, tests that must fail against it), each run in a pytest subprocess with --impl <the mutant's name>: one
+#: broken copy shows the README's test command that --impl reaches the copy; the catalogue's rows (the same kind of
+#: breakage, each with its killing test) are the mutation check's, which CI runs.
 MUTANTS = {
-    "grouped-peft-layer-scales-twice": pytest.param(
-        TextMutation("lora/peft_loader.py", "* self.scaling[name]", "* 2 * self.scaling[name]"),
-        ("suites/reference/test_export_format.py::test_grouped_o_a_proj_runs_unmerged_through_the_grouped_peft_layer",),
-        id="grouped-peft-layer-scales-twice",
-    ),
     "targets-left-unqualified": pytest.param(
         _drop_target_qualification,
         ("suites/reference/test_target_qualifier.py::test_bare_wkv_never_matches_a_compressor",),
         id="targets-left-unqualified",
-    ),
-    "provider-drops-the-pre-wrap-hooks": pytest.param(
-        TextMutation("native/provider.py", "pre_wrap_hook=list(pre_wrap_hooks) or None,", "pre_wrap_hook=None,"),
-        ("suites/reference/test_provider.py::test_ddp_is_built_after_the_pre_wrap_hook",),
-        id="provider-drops-the-pre-wrap-hooks",
-    ),
-    "train-step-never-steps": pytest.param(
-        TextMutation("lora/training.py", "    optimizer.step()\n", "    pass\n"),
-        (
-            "suites/reference/test_recipe.py::test_gpu32_rank_function_trains_and_exports_the_tiny_variant_on_two_cpu_ranks",
-        ),
-        id="gpu32-construction-train-step-never-steps",
-    ),
-    "export-skips-the-cross-rank-exchange": pytest.param(
-        TextMutation(
-            "adapter/export.py", "failures = ex.agree(phase, status)", "failures = [status] if status else []"
-        ),
-        (
-            "suites/reference/test_export_collective.py::"
-            "test_failure_in_any_phase_on_any_rank_raises_the_same_error_everywhere_and_publishes_nothing[ws2-rank1-write]",
-        ),
-        id="export-fault-matrix-skips-the-cross-rank-exchange",
     ),
 }
 
@@ -376,14 +363,10 @@ def _run_selection(copy, node_ids: tuple[str, ...]):
     return rc, pytest_outcomes(out), out
 
 
-@pytest.fixture(scope="module")
-def selection() -> tuple[str, ...]:
-    return tuple(node for case in MUTANTS.values() if not case.marks for node in case.values[1])
-
-
 @pytest.mark.slow
-def test_an_unbroken_copy_of_the_implementation_passes_the_selection(tmp_path, selection):
+def test_an_unbroken_copy_of_the_implementation_passes_the_selection(tmp_path):
     """The control: renaming the package breaks nothing, so the failures below come from the mutations."""
+    selection = CONTROL_SELECTION
     rc, outcomes, out = _run_selection(copy_implementation(tmp_path), selection)
     assert rc == 0 and outcomes and set(outcomes.values()) == {"PASSED"}, f"exit {rc}: {outcomes}\n{out[-4000:]}"
     for node in selection:
@@ -396,8 +379,7 @@ def test_broken_implementation_is_noticed(tmp_path, mutation, node_ids):
     rc, outcomes, out = _run_selection(copy_implementation(tmp_path, mutation=mutation), node_ids)
     for node in node_ids:
         hits = {n: word for n, word in outcomes.items() if n.startswith(node)}
-        # ERROR counts too: a module fixture may be what the mutant breaks (the export matrix runs every world size
-        # in its setup), and the control above shows the unbroken copy passes the same selection.
+        # ERROR counts too: a module fixture may be what a mutant breaks; the control shows the unbroken copy passes.
         noticed = {"FAILED", "ERROR"} & set(hits.values())
         assert noticed, f"{node} did not fail against the mutant: {hits}\n{out[-3000:]}"
     assert rc == 1, f"exit {rc} (1 = tests failed; anything else is a broken run)\n{out[-3000:]}"

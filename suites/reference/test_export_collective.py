@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,17 +47,29 @@ _WORLD_SIZES = (1, 2, 4, 8)
 MATRIX_GROUP = pytest.mark.xdist_group("export-fault-matrix")
 
 
+class _Matrix:
+    """Each world size's fault matrix, run once when a test first asks for it: a selection of one world size (CI's
+    wider run, ``--nproc 8 -k ws8``) runs only that one. {world_size: per-rank case lists}."""
+
+    def __init__(self, impl_name: str, nproc: int, tmp_path_factory: pytest.TempPathFactory):
+        self.sizes = tuple(ws for ws in _WORLD_SIZES if ws <= max(nproc, 4))
+        self._impl_name, self._tmp = impl_name, tmp_path_factory
+        self._done: dict[int, list[list[dict]]] = {}
+
+    def __getitem__(self, ws: int) -> list[list[dict]]:
+        if ws not in self._done:
+            root = self._tmp.mktemp(f"export-ws{ws}")
+            results = run_ranks(rank_export_matrix, MatrixCase(self._impl_name, str(root), ws), nproc=ws, timeout_s=240)
+            self._done[ws] = [r.payload for r in results]
+        return self._done[ws]
+
+    def items(self) -> Iterator[tuple[int, list[list[dict]]]]:
+        return ((ws, self[ws]) for ws in self.sizes)
+
+
 @pytest.fixture(scope="module")
-def matrix_results(impl, nproc: int, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[list[dict]]]:
-    """Run each world size's matrix once; {world_size: per-rank case lists}."""
-    out = {}
-    for ws in _WORLD_SIZES:
-        if ws > max(nproc, 4):
-            continue
-        root = tmp_path_factory.mktemp(f"export-ws{ws}")
-        results = run_ranks(rank_export_matrix, MatrixCase(impl.name, str(root), ws), nproc=ws, timeout_s=240)
-        out[ws] = [r.payload for r in results]
-    return out
+def matrix_results(impl, nproc: int, tmp_path_factory: pytest.TempPathFactory) -> _Matrix:
+    return _Matrix(impl.name, nproc, tmp_path_factory)
 
 
 @MATRIX_GROUP
@@ -67,7 +80,7 @@ def matrix_results(impl, nproc: int, tmp_path_factory: pytest.TempPathFactory) -
 def test_failure_in_any_phase_on_any_rank_raises_the_same_error_everywhere_and_publishes_nothing(
     matrix_results, nproc: int, world_size: int, case_id: str, fail_rank: int, phase: str
 ) -> None:
-    if world_size not in matrix_results:
+    if world_size not in matrix_results.sizes:
         pytest.skip(f"world size {world_size} needs --nproc {world_size}")
     per_rank = [{c["id"]: c for c in payload}[case_id] for payload in matrix_results[world_size]]
     errors = [c["error"] for c in per_rank]
