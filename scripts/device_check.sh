@@ -67,9 +67,8 @@ if [ -d "$BUNDLE/wheels" ]; then
   run install-bundle 60 "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target "$SITE" "$BUNDLE"/wheels/*.whl
   export PYTHONPATH="$REPO:$SITE${PYTHONPATH#"$REPO"}"
-  # Byte-compiled once, on every core: where PYTHONDONTWRITEBYTECODE is set, each later step's interpreters and ranks
-  # would otherwise compile megatron again (docs/performance.md). A file that does not compile is not a failure here.
-  run compile-bundle 60 "$PYTHON" -c 'import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)' "$SITE"
+  # compiled once, or every later step's interpreters and ranks compile megatron again
+  run compile-bundle 60 "$REPO/scripts/byte_compile.sh" "$PYTHON" "$SITE"
 fi
 run versions 30 "$PYTHON" -c 'import importlib.metadata as m, sys
 names = ("torch", "transformers", "peft", "safetensors", "megatron-core", "megatron-bridge", "omegaconf")

@@ -82,11 +82,8 @@ install_one() {
       <({ normalized_names <"$req"; printf 'pip\nsetuptools\n'; } | sort -u))
     [ -z "$stale" ] || "$env/bin/python" -m pip uninstall --disable-pip-version-check -q -y $stale
   fi
-  # Byte-compiled here, in parallel, rather than by pip (one core) or lazily: where PYTHONDONTWRITEBYTECODE is set
-  # (this host sets it) every probe would compile what it imports again, about 20 s of a vLLM probe's 40
-  # (docs/performance.md). A hard-linked copy keeps its base's compiled files; only what changed compiles. A file
-  # that does not compile (a package's template or test data) is left for Python to report if it is ever imported.
-  "$env/bin/python" -m compileall -q -j 0 "$env/lib" >/dev/null 2>&1 || true
+  # compiled once, or every probe compiles the engine it imports again (a hard-linked copy keeps its base's files)
+  scripts/byte_compile.sh "$env/bin/python" "$env/lib"
   echo "$spec" >"$env/.consumer-spec"
   echo "install_consumers: $name in $(($(date +%s) - start))s${base:+ (from a hard-linked copy of $DIR/$base)}, size $(du -sh "$env" | cut -f1)"
 }

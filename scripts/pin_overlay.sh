@@ -49,10 +49,8 @@ build_dir() {
   tmp="$dir.tmp.$$"
   rm -rf "$dir" "$tmp"
   "$PY" -m pip install --disable-pip-version-check -q --no-deps --no-compile --target "$tmp" "$@" >&2
-  # Byte-compiled here, in parallel: where PYTHONDONTWRITEBYTECODE is set (this host sets it), every process of a pin
-  # run (workers, ranks, command lines) would otherwise compile Megatron-Bridge again, about 7 s of CPU each
-  # (docs/performance.md). A file that does not compile is left for Python to report if it is ever imported.
-  "$PY" -m compileall -q -j 0 "$tmp" >/dev/null 2>&1 || true
+  # compiled once, or every worker, rank and command line of a pin run compiles Megatron-Bridge again
+  scripts/byte_compile.sh "$PY" "$tmp"
   echo "$*" >"$tmp/.overlay-spec"
   mv "$tmp" "$dir"
   echo "pin_overlay: built $dir ($*) in $(elapsed "$start")s, size $(du -sh "$dir" | cut -f1)" >&2

@@ -366,10 +366,9 @@ def _run_selection(copy, node_ids: tuple[str, ...]):
 @pytest.mark.slow
 def test_an_unbroken_copy_of_the_implementation_passes_the_selection(tmp_path):
     """The control: renaming the package breaks nothing, so the failures below come from the mutations."""
-    selection = CONTROL_SELECTION
-    rc, outcomes, out = _run_selection(copy_implementation(tmp_path), selection)
+    rc, outcomes, out = _run_selection(copy_implementation(tmp_path), CONTROL_SELECTION)
     assert rc == 0 and outcomes and set(outcomes.values()) == {"PASSED"}, f"exit {rc}: {outcomes}\n{out[-4000:]}"
-    for node in selection:
+    for node in CONTROL_SELECTION:
         assert any(n.startswith(node) for n in outcomes), f"{node} did not run:\n{out[-3000:]}"
 
 
