@@ -10,6 +10,7 @@ import impl.compat.active  # noqa: F401  (the CPU compat layer must precede ever
 
 # isort: split
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -203,6 +204,18 @@ class DeepseekV4LoRA(LoRA):
       exclusions are subtracted here and Bridge receives the exact (regex-escaped) full names that remain.
     """
 
+    def _walk_model(self, model: Any, func: Callable[..., nn.Module]) -> None:
+        """Bridge's walk asks ``inspect.signature(func)`` again at every module it visits (three walks a call,
+        hundreds of thousands of modules on a full-size graph: most of the time LoRA took there). The same
+        function goes in, with its signature computed once (docs/performance.md)."""
+        signature = inspect.signature(func)
+
+        def once(*args: Any, **kwargs: Any) -> nn.Module:
+            return func(*args, **kwargs)
+
+        once.__signature__ = signature  # type: ignore[attr-defined]
+        super()._walk_model(model, once)
+
     def transform(self, module: nn.Module, name: str | None = None, prefix: str | None = None) -> nn.Module:
         if isinstance(module, (LoRALinear, *_ALREADY_ADAPTED)) or not isinstance(module, _LORA_ABLE):
             return module
@@ -259,9 +272,13 @@ def _bridge_walk_names(chunk: nn.Module) -> dict[int, str]:
 
 def _exact_walk_targets(chunk: nn.Module, meant: Sequence[str]) -> list[str]:
     """Bridge refuses ``exclude_modules`` next to ``target_modules``, and its walk names a stage's layers 0, 1, ...
-    (not their global numbers): the exact walk names of the modules meant, as Bridge's target patterns."""
+    (not their global numbers): the exact walk names of the modules meant, as ONE Bridge target pattern, an
+    alternation. Bridge tries each pattern on each module of its walk in Python, compiling as it goes: one pattern
+    per name cost seconds on a full-size graph, where one alternation is one match per module
+    (docs/performance.md)."""
     walk, modules = _bridge_walk_names(chunk), dict(chunk.named_modules())
-    return [re.escape(walk[id(modules[n])]) for n in meant]
+    names = [re.escape(walk[id(modules[n])]) for n in meant]
+    return [f"(?:{'|'.join(names)})"] if names else []
 
 
 def _on_any_stage(flags: list[bool]) -> list[bool]:

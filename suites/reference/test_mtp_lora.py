@@ -135,8 +135,16 @@ def test_unknown_mtp_policy_is_a_target_error(impl):
         impl.make_lora_pre_wrap_hook(targets=TARGETS, rank=4, alpha=8.0, mtp="train")
 
 
+@pytest.fixture
+def single_rank(impl):
+    """Megatron-Bridge 0.4's LoRA asks parallel state for the TP size, even of a model built without it."""
+    from fixtures.data.native_weights import ensure_single_rank_megatron
+
+    ensure_single_rank_megatron(impl)
+
+
 @pytest.mark.parametrize("exclude", [None, ["*.layers.3.*"]], ids=["mtp-only", "mtp-and-an-exclusion"])
-def test_last_stage_with_mtp_wraps_its_own_global_layers(impl, exclude):
+def test_last_stage_with_mtp_wraps_its_own_global_layers(impl, single_rank, exclude):
     """A last pipeline stage holds global layers 2-3 and the MTP layer: excluding MTP (or anything) must still wrap
     exactly the selected layers, although Megatron-Bridge's walk names them by position (layers.0, layers.1)."""
     from tiny_models.presets import get_preset
@@ -149,7 +157,7 @@ def test_last_stage_with_mtp_wraps_its_own_global_layers(impl, exclude):
     assert sorted(handle.wrapped[0]) == sorted(want), f"wrapped {handle.wrapped[0]}, expected {want}"
 
 
-def test_the_include_policy_wraps_the_mtp_attention_as_well(impl):
+def test_the_include_policy_wraps_the_mtp_attention_as_well(impl, single_rank):
     """``mtp='include'`` wraps the targets in the MTP layer's attention too; the default leaves the MTP layer alone."""
     from tiny_models.presets import get_preset
 
