@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -89,12 +90,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Under -n 2 on a 2-core host each worker owns one core; torch's default threading oversubscribes it
-    # (docs/performance.md). DSV4_TORCH_THREADS overrides.
-    import torch
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under -n 2 on a 2-core host each worker owns one core; torch's default threading oversubscribes it
+    (docs/performance.md). DSV4_TORCH_THREADS overrides. Set before a test's fixtures, once torch is loaded: a
+    pytest process that never loads torch (xdist's controller, a run of a generated file) never pays for its
+    import."""
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(item.config, "dsv4_torch_threads", None) is None:
+        item.config.dsv4_torch_threads = int(os.environ.get("DSV4_TORCH_THREADS", "1"))
+        torch.set_num_threads(item.config.dsv4_torch_threads)
 
-    torch.set_num_threads(int(os.environ.get("DSV4_TORCH_THREADS", "1")))
+
+def pytest_configure(config: pytest.Config) -> None:
     # Base digests remembered by the suite's thousands of throwaway bases stay out of the user's own cache.
     os.environ.setdefault("DSV4_LORA_CACHE", os.path.join(tempfile.gettempdir(), f"dsv4-lora-test-cache-{os.getuid()}"))
     for name, doc in MARKERS.items():
@@ -171,14 +179,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.harness)
         if _uses_transformers(str(item.path)):
             item.add_marker(pytest.mark.transformers)
-    if not _cuda_available() and not config.getoption("rehearse"):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") or item.get_closest_marker("gpu32")]
+    if gpu_items and not config.getoption("rehearse") and not _cuda_available():  # torch only where it decides
         skip = pytest.mark.skip(
             reason="needs CUDA: torch.cuda.is_available() is False on this host "
             "(rehearse on the CPU: torchrun --nproc-per-node 4 -m pytest -m gpu --rehearse)"
         )
-        for item in items:
-            if item.get_closest_marker("gpu") or item.get_closest_marker("gpu32"):
-                item.add_marker(skip)
+        for item in gpu_items:
+            item.add_marker(skip)
 
 
 def _apply_xfails_file(config: pytest.Config, items: list[pytest.Item]) -> None:
