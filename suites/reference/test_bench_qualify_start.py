@@ -1,4 +1,5 @@
-"""Benchmark: how long ``dsv4-lora qualify`` on the embedded default base takes, and where the time goes.
+"""Benchmark: how long ``dsv4-lora qualify`` on the embedded default base takes, and where the time goes, directly and
+through the reference's driver (``--driver implementations.reference``, judged by the conformance judge).
 
 Runs the command as a person does and prints its wall time, the CPU time of the command and its ranks (user +
 system, from the children's resource usage: the host is shared, so wall time alone says little), the peak RSS of
@@ -28,17 +29,19 @@ GOAL_WALL_S = 30.0
 STEP_LINE = re.compile(r"^  \[\s*\d+/\d+\] .+ \.\.\. \d+\.\d+s$")
 
 
-def test_qualify_on_the_default_base_wall_and_cpu_time(impl, tmp_path):
+@pytest.mark.parametrize("how", [(), ("--driver", "implementations.reference")], ids=["direct", "driver"])
+def test_qualify_on_the_default_base_wall_and_cpu_time(impl, tmp_path, how):
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load = os.getloadavg()
     t0 = time.perf_counter()
-    result = run([sys.executable, "-m", f"{impl.name}.cli", "qualify", "--out", str(tmp_path / "q")], timeout=900)
+    argv = [sys.executable, "-m", f"{impl.name}.cli", "qualify", *how, "--out", str(tmp_path / "q")]
+    result = run(argv, timeout=900)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert result.returncode == 0, f"qualify failed:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}"
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     print(
-        f"\nqualify (default base, 1 rank): {wall:.1f}s wall (goal < {GOAL_WALL_S:g}s), {cpu:.1f}s CPU "
+        f"\nqualify {' '.join(how) or '(direct)'} (default base, 1 rank): {wall:.1f}s wall (goal < {GOAL_WALL_S:g}s), {cpu:.1f}s CPU "
         f"(user {after.ru_utime - before.ru_utime:.1f}s + sys {after.ru_stime - before.ru_stime:.1f}s), "
         f"peak RSS {after.ru_maxrss / 1024:.0f} MiB; load average before {load[0]:.1f} on {os.cpu_count()} cores"
     )
