@@ -47,12 +47,15 @@ class StatusExchange:
             if self.world > 1:
                 self.store = distributed_c10d._get_default_store()
         self.prefix = f"{topic}/{StatusExchange._seq}/"
+        #: the store's host (rank 0) was lost in an exchange: no peer's status can reach this rank any more
+        self.store_lost = False
 
     def agree(self, phase: str, status: str) -> list[str]:
         """Post this rank's status for ``phase`` (``""``: ok, else ``"ExcType: message"``), read every peer's with a
         deadline of ``timeout_s``, and return every rank's failure (same list on every rank): ``"rank N: <its
         status>"``, a peer that never posted named dead or hung, the store's host (rank 0) named when the store itself
-        is gone, and on a rank whose peers all posted ok, that a peer which timed out earlier aborted the operation."""
+        is gone (then with this rank's own failure, and :attr:`store_lost` set), and on a rank whose peers all posted
+        ok, that a peer which timed out earlier aborted the operation."""
         if self.store is None:
             return [f"rank {self.rank}: {status}"] if status else []
         keys = [f"{self.prefix}{phase}/{r}" for r in range(self.world)]
@@ -74,7 +77,10 @@ class StatusExchange:
                 failures.append(f"{topic_name(self.prefix)} aborted by a peer that timed out before phase {phase}")
             return failures
         except Exception:  # the store itself is gone: the rank hosting it (rank 0 by default) died
-            return [f"rank 0: no response within {self.timeout_s:g}s in phase {phase} (store host dead or hung)"]
+            self.store_lost = True
+            lost = [f"rank 0: no response within {self.timeout_s:g}s in phase {phase} (store host dead or hung)"]
+            # this rank's own failure still counts: its caller must not take the peers' silence for its success
+            return lost + ([f"rank {self.rank}: {status}"] if status else [])
 
     def run(self, phase: str, fn: Callable[[], Any], error: Callable[[str], Exception]) -> Any:
         """Run ``fn`` on this rank, then :meth:`agree` on the outcome; ``fn``'s result, or on any rank's failure the

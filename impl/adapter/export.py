@@ -81,7 +81,7 @@ def export_adapter(
             status = f"{type(exc).__name__}: {exc}"
         failures = ex.agree(phase, status)
         if failures:
-            raise _failed(ctx, phase, failures, writer_rank) from cause
+            raise _failed(ctx, phase, failures, writer_rank, store_lost=ex.store_lost) from cause
     after_commit(ctx)
     return ctx.out_dir
 
@@ -90,12 +90,21 @@ def _writer_lost(failures: list[str], writer_rank: int) -> bool:
     return any(f.startswith(f"rank {writer_rank}: no response") for f in failures)
 
 
-def _failed(ctx: ExportContext, phase: str, failures: list[str], writer_rank: int) -> CollectiveExportError:
+def _failed(
+    ctx: ExportContext, phase: str, failures: list[str], writer_rank: int, *, store_lost: bool
+) -> CollectiveExportError:
     """Clean up after ``phase`` failed somewhere and return the error every rank raises."""
     head = f"adapter export to {ctx.out_dir} failed in phase {phase}: " + "; ".join(failures) + ". "
     # Only the writer acts in the commit phase, so its own status says whether the commit point was passed.
     writer_named = any(f.startswith(f"rank {writer_rank}: ") for f in failures)
     if phase == "commit" and not writer_named:  # it committed; a peer lost after that cannot un-commit
+        if store_lost and not ctx.writer:  # unless its status never reached this rank: it may be rolling back
+            roll_back(ctx, recover=False)
+            return CollectiveExportError(
+                head + f"The group's store was lost with its host, so this rank cannot know whether the writer (rank "
+                f"{writer_rank}) passed the commit point: the destination holds either the complete new adapter or "
+                "the earlier export, never a mix; check its .complete (impl.validate_adapter_dir) before using it."
+            )
         after_commit(ctx)
         return CollectiveExportError(
             head + f"The new adapter WAS committed (rank {writer_rank} passed the commit point and "

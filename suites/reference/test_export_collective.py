@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.data.adapter_states import snapshot_tree
 from fixtures.ranks.export_rank_fns import (
     EXCHANGE_TIMEOUT_S,
     KILL_EXCHANGE_TIMEOUT_S,
@@ -178,14 +179,14 @@ def test_a_rank_lost_after_the_commit_point_is_reported_and_the_committed_export
 class StoreHostCase:
     impl: str
     root: str
+    writer_fails: bool = False  # the store lost inside the commit: the writer's own commit rename fails too
 
 
-def _rank_export_after_the_store_host_died(rank: int, world_size: int, case: StoreHostCase) -> dict:
-    """The group re-formed over a TCP store that rank 0 hosts (as torchrun's rendezvous does), one export, then rank
-    0 dies and its store with it; what the survivor's next export raised."""
+def _regroup_over_a_store_rank_0_hosts(rank: int, world_size: int) -> None:
+    """Re-form the default group over a TCP store that rank 0 hosts, as torchrun's rendezvous does: when rank 0
+    dies, the store goes with it."""
     import torch.distributed as dist
 
-    api = load_impl(case.impl, prepare=False)
     host = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False) if rank == 0 else None
     port = [host.port if host is not None else None]
     dist.broadcast_object_list(port, src=0)
@@ -193,6 +194,15 @@ def _rank_export_after_the_store_host_died(rank: int, world_size: int, case: Sto
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))  # fmt: skip
+
+
+def _rank_export_after_the_store_host_died(rank: int, world_size: int, case: StoreHostCase) -> dict:
+    """One export over a store rank 0 hosts, then rank 0 dies and its store with it; what the survivor's next export
+    raised."""
+    import torch.distributed as dist
+
+    api = load_impl(case.impl, prepare=False)
+    _regroup_over_a_store_rank_0_hosts(rank, world_size)
     dest = Path(case.root) / "adapter"
     api.export_adapter(lambda: adapter_state(api, rank, 0), dest, timeout_s=EXCHANGE_TIMEOUT_S)
     dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
@@ -220,6 +230,89 @@ def test_a_dead_store_host_is_named_by_every_survivor_and_the_earlier_export_sta
     assert "store host dead or hung" in said and "Nothing was published" in said, said
     assert survivor.payload["elapsed"] < EXCHANGE_TIMEOUT_S, f"rank 1 took {survivor.payload['elapsed']:.1f}s"
     assert survivor.payload["valid"] == "valid", f"the earlier export no longer validates: {survivor.payload['valid']}"
+
+
+def _rank_0_waits_in_commit_for_its_peers(phases, flags: Path, world_size: int):
+    """``phases`` with every rank marking its entry into the commit phase and rank 0 doing its commit only once every
+    peer is inside it (else a peer still reading the marker phase's statuses would lose the store there)."""
+    import torch.distributed as dist
+
+    flags.mkdir(exist_ok=True)
+
+    def wrap(run):
+        def commit(ctx) -> None:
+            (flags / str(dist.get_rank())).touch()
+            deadline = time.monotonic() + EXCHANGE_TIMEOUT_S
+            while dist.get_rank() == 0 and time.monotonic() < deadline:
+                if all((flags / str(r)).exists() for r in range(world_size)):
+                    break
+                time.sleep(0.01)
+            run(ctx)
+
+        return commit
+
+    return tuple((name, wrap(run) if name == "commit" else run) for name, run in phases)
+
+
+def _rank_store_lost_inside_the_commit(rank: int, world_size: int, case: StoreHostCase) -> dict:
+    """Over a store rank 0 hosts: an export by writer rank 1, then another in which rank 0 dies in the commit phase
+    (its store with it) while the writer's own commit rename fails; what each survivor raised and found."""
+    import torch.distributed as dist
+
+    api = load_impl(case.impl, prepare=False)
+    _regroup_over_a_store_rank_0_hosts(rank, world_size)
+    dest = Path(case.root) / "out" / "adapter"  # the flags stay outside the tree the snapshots compare
+    api.export_adapter(lambda: adapter_state(api, rank, 0, 1), dest, writer_rank=1, timeout_s=EXCHANGE_TIMEOUT_S)
+    dist.barrier(timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
+    before = snapshot_tree(dest)
+    phases = phases_with_fault(api.EXPORT_PHASES, "commit", 0, None, writer_rank=1)  # rank 0 dies there
+    if case.writer_fails:
+        phases = phases_with_fault(phases, "commit", 1, OSError("commit rename failed"), writer_rank=1)
+    phases = _rank_0_waits_in_commit_for_its_peers(phases, Path(case.root) / "in-commit", world_size)
+    error = None
+    try:
+        api.export_adapter(
+            lambda: adapter_state(api, rank, 1, 1),
+            dest,
+            writer_rank=1,
+            timeout_s=KILL_EXCHANGE_TIMEOUT_S,
+            phases=phases,
+        )
+    except api.CollectiveExportError as err:
+        error = str(err)
+    leftovers = sorted(p.name for p in dest.parent.glob(f".{dest.name}.dsv4-*"))
+    return {
+        "error": error,
+        "unchanged": snapshot_tree(dest) == before,
+        "valid": validity(api, dest),
+        "leftovers": leftovers,
+    }
+
+
+@pytest.mark.parametrize("writer_fails", [True, False], ids=["writer-fails", "writer-commits"])
+def test_a_store_lost_inside_the_commit_leaves_each_survivor_saying_only_what_it_knows(
+    impl, tmp_path: Path, writer_fails: bool
+) -> None:
+    """Rank 0 hosts the store and dies in the commit phase. The writer (rank 1) trusts its own commit: failed, it
+    names its failure and rolls back (the earlier export stands); passed, it says the adapter WAS committed (the new
+    export stands). The third rank, which can no longer learn the writer's outcome, says the destination is the new
+    adapter or the earlier one, never a mix. No sidecar is left either way."""
+    case = StoreHostCase(impl.name, str(tmp_path), writer_fails=writer_fails)
+    survivors = survivors_of_a_kill(_rank_store_lost_inside_the_commit, case, nproc=3, killed=0)
+    said = {r.rank: r.payload["error"] for r in survivors}
+    for rank, error in said.items():
+        assert error is not None, f"rank {rank} did not raise after the store's host died in the commit phase"
+        assert "in phase commit" in error and "store host dead or hung" in error, f"rank {rank}: {error}"
+    writer = next(r.payload for r in survivors if r.rank == 1)
+    if writer_fails:
+        assert "rank 1: OSError: commit rename failed" in said[1], said[1]
+        assert "Nothing was published" in said[1] and "WAS committed" not in said[1], said[1]
+    else:
+        assert "WAS committed" in said[1], f"the writer denies its own commit: {said[1]}"
+    assert writer["unchanged"] is writer_fails and writer["valid"] == "valid", f"the destination: {writer}"
+    assert writer["leftovers"] == [], f"sidecars left next to the destination: {writer['leftovers']}"
+    assert "never a mix" in said[2], f"rank 2 claims to know the writer's outcome: {said[2]}"
+    assert "WAS committed" not in said[2] and "Nothing was published" not in said[2], said[2]
 
 
 def test_without_a_process_group_the_export_is_rank_0_of_a_world_of_one(impl, tmp_path: Path) -> None:
