@@ -188,8 +188,8 @@ def _config(a: AdapterDir) -> Iterator[str]:
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
         yield f"{file}: r={r!r} must be a positive integer"
-    if not isinstance(alpha, int | float) or alpha <= 0:
-        yield f"{file}: lora_alpha={alpha!r} must be positive"
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0 < alpha < float("inf"):  # NaN too
+        yield f"{file}: lora_alpha={alpha!r} must be positive and finite"
     for key in ("rank_pattern", "alpha_pattern"):
         patterns = cfg.get(key)
         broken = [k for k in patterns if not _valid_target_modules(k)] if isinstance(patterns, Mapping) else []

@@ -101,10 +101,12 @@ def test_a_pattern_naming_no_module_of_the_adapter_changes_nothing(impl, adapter
     impl.validate_adapter_dir(adapter, require_complete=False)
 
 
-@pytest.mark.parametrize("alpha", [0, -8.0, "8"])
+@pytest.mark.parametrize("alpha", [0, -8.0, "8", float("inf"), float("nan"), True])
 def test_a_lora_alpha_that_is_not_a_positive_number_is_refused(impl, adapter, alpha):
+    """Infinity and NaN (what ``json.dumps`` writes for such floats) scale every delta by them; JSON's ``true`` is
+    no number, though Python counts it as 1."""
     _edit_config(adapter, lora_alpha=alpha)
-    with pytest.raises(impl.AdapterValidationError, match=f"lora_alpha={alpha!r} must be positive"):
+    with pytest.raises(impl.AdapterValidationError, match=f"lora_alpha={alpha!r} must be positive and finite"):
         impl.validate_adapter_dir(adapter, require_complete=False)
 
 

@@ -324,17 +324,26 @@ def test_the_judges_problems_are_not_listed_again_beside_the_checks_own(impl, ex
     assert not repeated, f"{case}: the judge's problems listed again: {repeated}"
 
 
-@pytest.mark.parametrize("alpha", [float("inf"), True], ids=["infinity", "true"])
-def test_a_problem_only_the_conformance_judge_sees_is_listed_and_fails_its_row(impl, exported, tmp_path, alpha):
-    """``lora_alpha`` Infinity (what ``json.dumps`` writes for an infinite float) or JSON's ``true`` (a bool, which
-    Python counts as 1) passes the checks above the judge; the judge refuses it: its row fails and its problem is
-    listed, prefixed ``conformance:``."""
-    base, adapter = edited_copies(exported, tmp_path, with_config(lora_alpha=alpha))
+def _also_targeting_the_q_norms(adapter, base):
+    """An edit for :func:`edited_copies`: ``target_modules`` also reaches every layer's ``q_a_norm`` (which holds no
+    adapter tensor), uncertified as :func:`with_config` leaves it."""
+    file = adapter / "adapter_config.json"
+    config = json.loads(file.read_text())
+    wanted = config["target_modules"]
+    either = f"(?:{wanted})|(?:.*\\.q_a_norm)" if isinstance(wanted, str) else [*wanted, "q_a_norm"]
+    with_config(target_modules=either)(adapter, base)
+
+
+def test_a_problem_only_the_conformance_judge_sees_is_listed_and_fails_its_row(impl, exported, tmp_path):
+    """A ``target_modules`` that also reaches a norm passes the checks above the judge (a norm holds no matrix, so
+    no adapter tensor is missing for it); PEFT refuses to wrap it, and the judge says so: its row fails and its
+    problem is listed, prefixed ``conformance:``."""
+    base, adapter = edited_copies(exported, tmp_path, _also_targeting_the_q_norms)
     result = impl.verify_adapter(base, adapter, judge=True)
     row = next(c for c in result.checks if c.name == "conformance")
-    listed = [p for p in result.problems if p.startswith("conformance:") and "lora_alpha" in p]
-    assert row.passed is False and not result.ok, f"the judge's row passed lora_alpha={alpha!r}: {row}"
-    assert listed, f"the judge's lora_alpha problem is not listed: {result.problems}"
+    listed = [p for p in result.problems if p.startswith("conformance:") and "q_a_norm" in p]
+    assert row.passed is False and not result.ok, f"the judge's row passed a target_modules reaching a norm: {row}"
+    assert listed, f"the judge's problem is not listed: {result.problems}"
 
 
 def test_the_judge_reads_a_json_true_as_no_rank_and_no_alpha(exported, tmp_path):
