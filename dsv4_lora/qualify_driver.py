@@ -9,7 +9,7 @@ the conformance judge, the suites' own rules, on one layout in one run:
 | ``targets`` | each target reaches its projection in every layer's main attention and nothing else (an MTP block's own main attention may be wrapped too) |
 | ``load`` | the base loads strictly: tensors placed, none missing, none unexpected |
 | ``base_logits`` | the base's logits equal transformers' within the judge's rule, held below one layer's effect |
-| ``train`` | every loss is finite and the last is below the first (SGD on one fixed batch) |
+| ``train`` | every loss is finite and the last is below the first (SGD on one fixed batch); with the oracle, the judge's own loss of the exported adapter is below the base's, and the first loss is transformers' on that batch (where the dtype's rule bounds it and another batch would show) |
 | ``export`` | the directory is a PEFT adapter of exactly the requested targets, rank and alpha, with the declared success marker |
 | ``reload`` | PEFT's reload on transformers gives the trained logits (a run in another dtype: a float32 build that imported the export) within the judge's rule; inconclusive unless the least module's delta moves them more |
 """
@@ -54,6 +54,7 @@ class _Judging:
 
     run: DriverRun
     marker: str | None
+    with_oracle: bool = True
 
     @cached_property
     def oracle(self) -> Any:
@@ -62,8 +63,27 @@ class _Judging:
         return base_model(Path(self.run.base))
 
     @cached_property
+    def batch(self) -> Any:
+        return fixed_batch(self.run.base, self.run.seed)
+
+    @property
     def ids(self) -> Any:
-        return fixed_batch(self.run.base, self.run.seed)[0]
+        return self.batch[0]
+
+    @cached_property
+    def base_logits(self) -> Any:
+        """transformers' logits of the base on the fixed batch."""
+        import torch
+
+        with torch.no_grad():
+            return self.oracle(self.ids).logits.float()
+
+    @cached_property
+    def trained_logits(self) -> Any:
+        """PEFT's reload of the export on transformers, on the fixed batch."""
+        from dsv4_conformance.judge.oracle import peft_logits
+
+        return peft_logits(Path(self.run.base), Path(self.run.adapter_dir), self.ids)
 
 
 def _detect(found: dict[str, Any], j: _Judging) -> Check:
@@ -121,14 +141,19 @@ def _compared(name: str, got: Any, want: Any, rule: Any, power: Any) -> Check:
 
 
 def _base_logits(found: dict[str, Any], j: _Judging) -> Check:
-    import torch
-
     from dsv4_conformance.judge.oracle import LOGIT_RULES, least_layer_effect
 
-    with torch.no_grad():
-        want = j.oracle(j.ids).logits.float()
     rule = LOGIT_RULES[j.run.layout.dtype]
-    return _compared("base_logits", found["base_logits"], want, rule, least_layer_effect(j.oracle, j.ids, rule))
+    return _compared(
+        "base_logits", found["base_logits"], j.base_logits, rule, least_layer_effect(j.oracle, j.ids, rule)
+    )
+
+
+def _loss(logits: Any, labels: Any) -> float:
+    """The contract's loss: the mean over every position of the cross entropy against ``labels``."""
+    import torch
+
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
 
 
 def _train(found: dict[str, Any], j: _Judging) -> Check:
@@ -136,7 +161,45 @@ def _train(found: dict[str, Any], j: _Judging) -> Check:
     finite = all(math.isfinite(x) for x in losses)
     falls = len(losses) >= 2 and losses[-1] < losses[0]
     figure = f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps" if losses else "no step"
-    return Check("train", finite and falls, figure, {"losses": losses})
+    check = Check("train", finite and falls, figure, {"losses": losses})
+    if j.with_oracle and check.passed:
+        _judge_the_training(check, j)
+    return check
+
+
+def _judge_the_training(check: Check, j: _Judging) -> None:
+    """The judge's own losses: the export's (PEFT on transformers) must be below the base's, so reported losses alone
+    never pass; and the first reported loss must be transformers' on the fixed batch (else it trained on another),
+    where the dtype's rule bounds the largest logit difference (a loss moves by at most twice that) and another
+    batch's loss differs by more than that."""
+    import torch
+
+    from dsv4_conformance.judge.oracle import LOGIT_RULES
+
+    base_loss, trained_loss = _loss(j.base_logits, j.batch[1]), _loss(j.trained_logits, j.batch[1])
+    check.detail.update(base_loss=base_loss, trained_loss=trained_loss)
+    check.figure += f"; the export's own loss {base_loss:.4f} -> {trained_loss:.4f} (judge)"
+    if not trained_loss < base_loss:
+        check.passed = False
+        check.figure += ": the exported adapter does not lower it"
+        return
+    rule = LOGIT_RULES[j.run.layout.dtype]
+    if rule.metric != "max":
+        check.figure += f"; first loss not compared ({rule.dtype}'s rule bounds the mean logit difference only)"
+        return
+    tolerance = 2 * rule.tolerance(j.base_logits)
+    other_ids, other_labels = fixed_batch(j.run.base, j.run.seed + 1)
+    with torch.no_grad():
+        other_effect = abs(_loss(j.oracle(other_ids).logits.float(), other_labels) - base_loss)
+    observed = abs(check.detail["losses"][0] - base_loss)
+    check.detail.update(first_loss_tolerance=tolerance, first_loss_observed=observed, other_batch_effect=other_effect)
+    if other_effect <= tolerance:
+        check.figure += f"; first loss not compared (another batch moves it {other_effect:.1e} only)"
+    elif observed > tolerance:
+        check.passed = False
+        check.figure += f"; the first loss is not transformers' on the batch: |Δ| {observed:.2e} > {tolerance:.2e}"
+    else:
+        check.figure += f"; the first is transformers' on the batch (|Δ| {observed:.1e} <= {tolerance:.1e})"
 
 
 def _export(found: dict[str, Any], j: _Judging) -> Check:
@@ -150,10 +213,10 @@ def _export(found: dict[str, Any], j: _Judging) -> Check:
 
 
 def _reload(found: dict[str, Any], j: _Judging) -> Check:
-    from dsv4_conformance.judge.oracle import LOGIT_RULES, least_effect, peft_logits, read_adapter
+    from dsv4_conformance.judge.oracle import LOGIT_RULES, least_effect, read_adapter
 
     run, adapter_dir = j.run, Path(j.run.adapter_dir)
-    want = peft_logits(Path(run.base), adapter_dir, j.ids)
+    want = j.trained_logits
     power = least_effect(j.oracle, j.ids, *read_adapter(adapter_dir))
     if "float32_logits" in found:  # a run in another dtype, its export imported into a float32 build
         check = _compared("reload", found["float32_logits"], want, LOGIT_RULES["float32"], power)
@@ -178,7 +241,7 @@ def judge_run(
     payloads: Sequence[dict[str, Any]], run: DriverRun, *, marker: str | None, oracle: bool = True
 ) -> list[Check]:
     """Every check from rank 0's findings; a step that raised on any rank fails its checks, naming rank and error."""
-    judging = _Judging(run, marker)
+    judging = _Judging(run, marker, oracle)
     found, seconds = payloads[0]["found"], payloads[0]["seconds"]
     checks = []
     for name, step, rule, needs_oracle in JUDGED:

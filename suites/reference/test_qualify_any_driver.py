@@ -214,6 +214,31 @@ def test_logits_moved_by_more_than_the_rule_fail_their_comparison(reference_run,
     assert judged[name].passed is False and not judged[name].inconclusive, judged[name]
 
 
+def test_losses_of_another_batch_fail_train_against_the_judges_own_loss(reference_run):
+    """The reported losses moved by 1e-2 (above the loss tolerance, 2.5e-4 here; below another batch's effect,
+    about 4e-2): the first is no longer transformers' loss on the fixed batch."""
+    payload, run = reference_run
+    judged = _judged(payload, run, losses=[x + 1e-2 for x in payload["found"]["losses"]])
+    train = judged["train"]
+    assert train.passed is False and "not transformers'" in train.figure, train
+    assert train.detail["first_loss_observed"] > train.detail["first_loss_tolerance"], train.detail
+    assert train.detail["other_batch_effect"] > train.detail["first_loss_tolerance"], "the comparison had no power"
+
+
+def test_an_export_that_does_not_lower_the_loss_fails_train_whatever_the_driver_reports(reference_run, tmp_path):
+    """The driver reports falling losses, but its export's lora_B are zero: the judge's own loss of the export (PEFT
+    on transformers) equals the base's, so train fails."""
+    payload, run = reference_run
+    adapter = tmp_path / "adapter"
+    shutil.copytree(run.adapter_dir, adapter)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file(
+        {k: t.zero_() if ".lora_B." in k else t for k, t in tensors.items()}, str(adapter / "adapter_model.safetensors")
+    )
+    judged = {c.name: c for c in judge_run([payload], replace(run, adapter_dir=str(adapter)), marker=None)}
+    assert judged["train"].passed is False and "does not lower it" in judged["train"].figure, judged["train"]
+
+
 def test_an_export_one_tensor_short_fails_export_naming_the_module(reference_run, tmp_path):
     payload, run = reference_run
     adapter = tmp_path / "adapter"
