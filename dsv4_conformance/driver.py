@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 #: The five main-attention projections, as the checkpoint names them: the LoRA targets every V4 implementation has.
 MAIN_ATTENTION: tuple[str, ...] = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+#: The naming dialects of an adapter's modules, by who reads them: ``transformers`` (PEFT on transformers,
+#: ``model.layers.N.self_attn.q_a_proj``), ``official`` (vLLM, the checkpoint's ``layers.N.attn.wq_a``), ``sglang``
+#: (``model.layers.N.self_attn.wq_a``).
+DIALECTS: tuple[str, ...] = ("transformers", "official", "sglang")
 
 
 class DriverMissing(BaseException):
@@ -89,6 +93,8 @@ class Driver:
     capabilities: ClassVar[frozenset[str]] = frozenset()
     #: the file an export writes last to certify the adapter beside it (None: the implementation writes none)
     success_marker: ClassVar[str | None] = None
+    #: the naming dialects (``DIALECTS``) :meth:`export` writes; only these are asked of it
+    dialects: ClassVar[frozenset[str]] = frozenset({"transformers"})
     #: where the implementation's code came from (a version, a commit): printed in its report
     provenance: str = field(default="")
 
@@ -142,13 +148,17 @@ class Driver:
 
     # -- export ----------------------------------------------------------------------------------------------------
 
-    def export(self, model: Any, out_dir: Path, timeout_s: float) -> None:
+    def export(self, model: Any, out_dir: Path, timeout_s: float, dialect: str = "transformers") -> None:
         """Write the adapter alone to ``out_dir`` in PEFT's format, collectively: call on every rank.
 
+        ``dialect`` is passed only when it is not ``transformers``, and only one of its ``dialects``: a driver that
+        writes transformers' names alone may leave the parameter out.
+
         Judged by its artifacts: ``adapter_model.safetensors`` + ``adapter_config.json`` that PEFT loads onto
-        transformers' ``DeepseekV4ForCausalLM`` of the base and reproduces :meth:`logits`; the success marker (if
-        declared) only beside a valid adapter. On any failure on any rank, every rank raises within ``timeout_s``,
-        naming the rank or the cause, and ``out_dir`` is left as it was (an earlier export intact)."""
+        transformers' ``DeepseekV4ForCausalLM`` of the base and reproduces :meth:`logits` (another dialect: every
+        module in that dialect's names, read back as transformers'); the success marker (if declared) only beside
+        a valid adapter. On any failure on any rank, every rank raises within ``timeout_s``, naming the rank or the
+        cause, and ``out_dir`` is left as it was (an earlier export intact)."""
         raise DriverMissing("export")
 
     # -- optional: the training loop -------------------------------------------------------------------------------
@@ -198,6 +208,7 @@ def load_driver(module: str) -> Driver:
 
 
 __all__ = [
+    "DIALECTS",
     "MAIN_ATTENTION",
     "METHODS",
     "OPTIONAL",

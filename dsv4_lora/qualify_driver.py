@@ -10,7 +10,7 @@ the conformance judge, the suites' own rules, on one layout in one run:
 | ``load`` | the base loads strictly: tensors placed, none missing, none unexpected |
 | ``base_logits`` | the base's logits equal transformers' within the judge's rule, held below one layer's effect |
 | ``train`` | every loss is finite and the last is below the first (SGD on one fixed batch); with the oracle, the judge's own loss of the exported adapter is below the base's, and the first loss is transformers' on that batch (where the dtype's rule bounds it and another batch would show) |
-| ``export`` | the directory is a PEFT adapter of exactly the requested targets, rank and alpha, with the declared success marker |
+| ``export`` | the directory is a PEFT adapter of exactly the requested targets, rank and alpha, with the declared success marker; in another dialect (``--dialect``), in that dialect's names, judged as transformers' |
 | ``reload`` | PEFT's reload on transformers gives the trained logits (a run in another dtype: a float32 build that imported the export) within the judge's rule; inconclusive unless the least module's delta moves them more |
 """
 
@@ -55,6 +55,22 @@ class _Judging:
     run: DriverRun
     marker: str | None
     with_oracle: bool = True
+    scratch: Path | None = None  # where an export in another dialect is written in transformers' dialect
+
+    @cached_property
+    def reading(self) -> Any:
+        """An export in another dialect read as transformers' (None for a transformers export): what the comparisons
+        reload, in ``scratch``."""
+        from dsv4_conformance.judge.dialects import write_as_transformers
+
+        if self.run.dialect == "transformers":
+            return None
+        return write_as_transformers(Path(self.run.adapter_dir), self.run.dialect, self.scratch / "as-transformers")
+
+    @property
+    def adapter(self) -> Path:
+        """The export in transformers' dialect: what PEFT reloads."""
+        return Path(self.run.adapter_dir) if self.reading is None else self.scratch / "as-transformers"
 
     @cached_property
     def oracle(self) -> Any:
@@ -83,7 +99,7 @@ class _Judging:
         """PEFT's reload of the export on transformers, on the fixed batch."""
         from dsv4_conformance.judge.oracle import peft_logits
 
-        return peft_logits(Path(self.run.base), Path(self.run.adapter_dir), self.ids)
+        return peft_logits(Path(self.run.base), self.adapter, self.ids)
 
 
 def _detect(found: dict[str, Any], j: _Judging) -> Check:
@@ -207,17 +223,36 @@ def _export(found: dict[str, Any], j: _Judging) -> Check:
 
     run = j.run
     expected = Expected(run.lora.targets, run.lora.rank, run.lora.alpha)
-    problems = judge_adapter_dir(Path(run.adapter_dir), Path(run.base), expected=expected, marker=j.marker)
+    if run.dialect == "transformers":
+        problems = judge_adapter_dir(Path(run.adapter_dir), Path(run.base), expected=expected, marker=j.marker)
+    else:
+        problems = _export_in_dialect(j, expected)
     figure = "a PEFT adapter of the requested targets" if not problems else f"{len(problems)} problem(s): {problems[0]}"
-    return Check("export", not problems, figure, {"problems": [str(p) for p in problems]})
+    if run.dialect != "transformers":
+        figure += f" (dialect {run.dialect}, judged as its transformers reading)" if not problems else ""
+    return Check("export", not problems, figure, {"problems": [str(p) for p in problems], "dialect": run.dialect})
+
+
+def _export_in_dialect(j: _Judging, expected: Any) -> list[Any]:
+    """An export in another dialect: its files and marker as written, every key in the requested dialect's form, its
+    transformers reading held to the same rules as a transformers export, official MTP tensors to the base's."""
+    from dsv4_conformance.judge.artifacts import base_weight_shapes, judge_adapter_dir, marker_missing, unreadable
+    from dsv4_conformance.judge.dialects import mtp_shapes
+
+    adapter, base = Path(j.run.adapter_dir), Path(j.run.base)
+    problems = unreadable(adapter) + marker_missing(adapter, j.marker)
+    if problems:
+        return problems
+    reading = j.reading
+    problems = reading.problems + judge_adapter_dir(j.adapter, base, expected=expected)
+    return problems + mtp_shapes(reading.mtp, base_weight_shapes(base), reading.config.get("r"))
 
 
 def _reload(found: dict[str, Any], j: _Judging) -> Check:
     from dsv4_conformance.judge.oracle import LOGIT_RULES, least_effect, read_adapter
 
-    run, adapter_dir = j.run, Path(j.run.adapter_dir)
-    want = j.trained_logits
-    power = least_effect(j.oracle, j.ids, *read_adapter(adapter_dir))
+    run, want = j.run, j.trained_logits
+    power = least_effect(j.oracle, j.ids, *read_adapter(j.adapter))
     if "float32_logits" in found:  # a run in another dtype, its export imported into a float32 build
         check = _compared("reload", found["float32_logits"], want, LOGIT_RULES["float32"], power)
         check.detail["compared"] = "a float32 build that imported the export"
@@ -241,7 +276,14 @@ def judge_run(
     payloads: Sequence[dict[str, Any]], run: DriverRun, *, marker: str | None, oracle: bool = True
 ) -> list[Check]:
     """Every check from rank 0's findings; a step that raised on any rank fails its checks, naming rank and error."""
-    judging = _Judging(run, marker, oracle)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dsv4-judge-") as scratch:
+        return _judge_steps(payloads, _Judging(run, marker, oracle, Path(scratch)))
+
+
+def _judge_steps(payloads: Sequence[dict[str, Any]], judging: _Judging) -> list[Check]:
+    oracle = judging.with_oracle
     found, seconds = payloads[0]["found"], payloads[0]["seconds"]
     checks = []
     for name, step, rule, needs_oracle in JUDGED:
@@ -347,7 +389,9 @@ def driver_run(
     dtype: str = "float32",
     steps: int = 3,
     seed: int = 0,
+    dialect: str = "transformers",
 ) -> DriverRun:
     """The run ``qualify --driver`` makes from its options: the export goes to ``OUT/adapter``."""
     lora = LoraSpec(tuple(targets), rank, alpha)
-    return DriverRun(driver, base, str(Path(out) / "adapter"), Layout(tp, ep, pp, dtype), lora, steps, seed)
+    layout = Layout(tp, ep, pp, dtype)
+    return DriverRun(driver, base, str(Path(out) / "adapter"), layout, lora, steps, seed, dialect=dialect)

@@ -34,6 +34,7 @@ class DriverRun:
     steps: int = 3
     seed: int = 0
     timeout_s: float = 60.0  # the export's, on every rank
+    dialect: str = "transformers"  # the export's naming dialect (one the driver declares)
 
 
 @dataclass
@@ -79,7 +80,8 @@ def _train(s: _State) -> None:
 
 
 def _export(s: _State) -> None:
-    s.driver.export(s.model, Path(s.run.adapter_dir), s.run.timeout_s)
+    dialect = {} if s.run.dialect == "transformers" else {"dialect": s.run.dialect}  # the contract's optional keyword
+    s.driver.export(s.model, Path(s.run.adapter_dir), s.run.timeout_s, **dialect)
     s.found["exported"] = True
 
 

@@ -277,9 +277,27 @@ def judge_adapter_dir(
         problems += _target_modules(config, found, modules)
     problems += _shapes(found, base_weight_shapes(base), config.get("r"))
     problems += _finite(found)
-    if marker is not None and not (adapter / marker).is_file():
-        problems.append(Problem("marker", marker, "the declared success marker is not there"))
-    return problems
+    return problems + marker_missing(adapter, marker)
+
+
+def marker_missing(adapter: Path, marker: str | None) -> list[Problem]:
+    """The declared success marker, not there."""
+    if marker is None or (Path(adapter) / marker).is_file():
+        return []
+    return [Problem("marker", marker, "the declared success marker is not there")]
+
+
+def unreadable(adapter: Path) -> list[Problem]:
+    """What stops an adapter's files from being read at all, in any dialect: a file missing or pickled, a config
+    that is not JSON, a safetensors file that does not parse."""
+    problems = _files(Path(adapter))
+    if problems:
+        return problems
+    try:
+        json.loads((Path(adapter) / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        problems.append(Problem("format", CONFIG_FILE, f"not JSON: {exc}"))
+    return problems + _tensors(Path(adapter))[1]
 
 
 def marker_beside_invalid(adapter: Path, base: Path, marker: str | None) -> list[Problem]:
@@ -303,6 +321,8 @@ __all__ = [
     "judge_adapter_dir",
     "main_target_module",
     "marker_beside_invalid",
+    "marker_missing",
     "read_header",
     "transformers_modules",
+    "unreadable",
 ]

@@ -82,14 +82,15 @@ def check_qualify_usage(args: argparse.Namespace) -> None:
     if args.driver:
         from dsv4_lora.qualify_driver import find_driver
 
-        if args.dialect != "transformers":
-            raise UsageError(
-                f"--dialect {args.dialect} with --driver: a driver exports PEFT's transformers dialect only"
-            )
         try:
-            find_driver(args.driver)
+            driver = find_driver(args.driver)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        if args.dialect not in driver.dialects:
+            raise UsageError(
+                f"--dialect {args.dialect}: driver {args.driver} declares the dialects {sorted(driver.dialects)} "
+                "(its `dialects`); choose one of them"
+            )
     args.ranks = args.nproc or args.tp * args.pp * args.ep
     if args.ranks % (args.tp * args.pp) or args.ranks % (args.ep * args.pp):
         raise UsageError(
@@ -170,7 +171,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
 
 
 #: qualify's options a driver's run takes as they are
-_DRIVER_RUN_OPTIONS = ("targets", "rank", "alpha", "tp", "ep", "pp", "dtype", "steps", "seed")
+_DRIVER_RUN_OPTIONS = ("targets", "rank", "alpha", "tp", "ep", "pp", "dtype", "steps", "seed", "dialect")
 
 
 def _qualify_driver(args: argparse.Namespace, opts: Any, nproc: int, default_base: Any) -> list[Any]:

@@ -100,6 +100,7 @@ class ReferenceDriver(Driver):
     name = "reference"
     capabilities = frozenset({"detection", "targets", "lora", "conversion", "export", "faults", "training_loop"})
     success_marker = ".complete"
+    dialects = frozenset({"transformers", "official", "sglang"})
 
     def warm(self) -> None:
         api = _api()
@@ -153,11 +154,12 @@ class ReferenceDriver(Driver):
         (chunk,) = model.chunks
         return {n: p for n, p in chunk.named_parameters() if p.requires_grad}
 
-    def export(self, model: _Model, out_dir: Path, timeout_s: float) -> None:
+    def export(self, model: _Model, out_dir: Path, timeout_s: float, dialect: str = "transformers") -> None:
         api = _api()
         api.export_adapter(
             lambda: api.gather_adapter_state(model.chunks, model.handle),
             out_dir,
+            dialect=dialect,
             base_model_name_or_path=str(model.base),
             fingerprint_base=model.base,
             timeout_s=timeout_s,
