@@ -96,7 +96,8 @@ class _Judging:
 
     @cached_property
     def trained_logits(self) -> Any:
-        """PEFT's reload of the export on transformers, on the fixed batch."""
+        """PEFT's reload of the export on transformers, on the fixed batch, merged: stock PEFT's unmerged forward
+        fails on the grouped ``o_a_proj`` (a shape mismatch), which only a custom LoRA layer can wrap."""
         from dsv4_conformance.judge.oracle import peft_logits
 
         return peft_logits(Path(self.run.base), self.adapter, self.ids)
@@ -177,7 +178,9 @@ def _train(found: dict[str, Any], j: _Judging) -> Check:
     finite = all(math.isfinite(x) for x in losses)
     falls = len(losses) >= 2 and losses[-1] < losses[0]
     figure = f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps" if losses else "no step"
-    check = Check("train", finite and falls, figure, {"losses": losses})
+    detail = {"losses": losses, "batch": j.ids.tolist(), "loss_fell": falls}
+    detail.update({"first_loss": losses[0], "last_loss": losses[-1]} if losses else {})
+    check = Check("train", finite and falls, figure, detail)
     if j.with_oracle and check.passed:
         _judge_the_training(check, j)
     return check
@@ -373,6 +376,14 @@ def qualify_driver(
     if step is not None:
         step("judge: transformers + PEFT, the conformance rules", time.perf_counter() - t0)
     return checks
+
+
+def run_options() -> dict[str, Any]:
+    """What every driver run takes as fixed, for the report's options: plain SGD's step, the fixed batch's size."""
+    from dsv4_conformance.judge.oracle import BATCH
+    from dsv4_lora.qualify_driver_rank import LR
+
+    return {"lr": LR, "batch": BATCH, "seq_len": None}
 
 
 def driver_run(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_conformance.driver import DIALECTS, MAIN_ATTENTION
+from dsv4_conformance.driver import MAIN_ATTENTION
 from dsv4_conformance.judge.artifacts import ADAPTER_FILE, CONFIG_FILE, PEFT_PREFIX, TRANSFORMERS_LEAF, Problem
 
 _TARGET = "|".join(MAIN_ATTENTION)

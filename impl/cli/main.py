@@ -155,7 +155,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         "ok": ok,
         "driver": args.driver,
         "wall_s": round(wall, 2),
-        "options": {**opts.__dict__, "targets": list(targets), "nproc": nproc},
+        "options": {**opts.__dict__, "targets": list(targets), "nproc": nproc, **_driver_options(args)},
         "versions": installed,
         "untested_versions": untested_versions(installed),
         "checks": [c.__dict__ for c in checks],
@@ -168,6 +168,15 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     if error:
         output.problem(f"error: {headline[:300]} (details: {args.log})")
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def _driver_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options a driver's run fixes (its step size, its batch), which the direct run's defaults do not give."""
+    if not args.driver:
+        return {}
+    from dsv4_lora.qualify_driver import run_options
+
+    return run_options()
 
 
 #: qualify's options a driver's run takes as they are

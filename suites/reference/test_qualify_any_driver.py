@@ -60,6 +60,8 @@ def test_the_reference_through_its_driver_passes_every_judged_check(through_driv
     for name in ("base_logits", "reload"):  # each comparison held below the least defect it claims to see
         d = checks[name]["detail"]
         assert d["observed"] <= d["tolerance"] < d["least_effect"], (name, d)
+    train = checks["train"]["detail"]
+    assert train["first_loss"] == train["losses"][0] and train["loss_fell"] is True, train
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
