@@ -130,8 +130,9 @@ def _die_with_parent(parent_pid: int | None) -> None:
 
 
 def _match_thread_count(env: Mapping[str, str]) -> None:
-    """A forked rank imported torch in the fork server, before this launch's ``OMP_NUM_THREADS`` existed: apply it
-    (a spawned rank's torch reads it at import)."""
+    """Torch may be imported before this launch's ``OMP_NUM_THREADS`` is in the environment: in the fork server, or
+    in a spawned rank while it unpickles its spec (a preload named by a function imports that function's module,
+    and torch with it, before :func:`_rank_main` runs). Apply it then; a later import of torch reads it itself."""
     threads = env.get("OMP_NUM_THREADS")
     torch = sys.modules.get("torch")
     if threads and torch is not None:
@@ -179,8 +180,7 @@ def _rank_main(spec: _RankSpec, conn: Connection) -> None:
     forked = spec.start_method == "forkserver"
     _die_with_parent(None if forked else spec.parent_pid)
     os.environ.update(spec.env)
-    if forked:
-        _match_thread_count(spec.env)
+    _match_thread_count(spec.env)
     stack_file = open(spec.stack_file, "w")  # stays open for the process's lifetime: faulthandler writes to it
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)

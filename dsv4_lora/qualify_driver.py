@@ -309,6 +309,26 @@ def _judge_steps(payloads: Sequence[dict[str, Any]], judging: _Judging) -> list[
     return checks
 
 
+#: intra-op threads per rank and for the judge unless OMP_NUM_THREADS is set: a tiny model's ops gain nothing from
+#: more, and beside other work OpenMP's barriers wait for descheduled threads (docs/performance.md)
+RANK_THREADS = 1
+
+
+def rank_thread_env() -> dict[str, str]:
+    """The environment a qualify rank starts with: :data:`RANK_THREADS` threads, unless the user set their own."""
+    import os
+
+    return {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(RANK_THREADS)}
+
+
+def _judge_threads() -> None:
+    """The judge (this process, after the ranks) on :data:`RANK_THREADS` threads, unless the user set their own."""
+    import torch
+
+    if rank_thread_env():
+        torch.set_num_threads(RANK_THREADS)
+
+
 #: what the judge imports once the ranks are done (transformers' model, PEFT); the launcher imports them while the
 #: ranks work, on a core a one-rank run leaves idle (docs/performance.md, "qualify --driver")
 JUDGE_MODULES = ("tiny_models.oracle", "peft")
@@ -366,12 +386,19 @@ def qualify_driver(
     warming = _warm_judge() if oracle else None
     try:
         payloads = run_on_ranks(
-            qualify_driver_rank, run, nproc=nproc, timeout_s=timeout_s, preload=preload, before_go=before_go
+            qualify_driver_rank,
+            run,
+            nproc=nproc,
+            timeout_s=timeout_s,
+            preload=preload,
+            before_go=before_go,
+            env=rank_thread_env(),
         )
     finally:
         t0 = time.perf_counter()  # the judge's step counts what is left of its imports
         if warming is not None:  # and no thread is left importing while the interpreter shuts down
             warming.join()
+    _judge_threads()
     checks = judge_run(payloads, run, marker=marker, oracle=oracle)
     if step is not None:
         step("judge: transformers + PEFT, the conformance rules", time.perf_counter() - t0)

@@ -7,7 +7,6 @@ it starts fast; the ranks import them. Rank 0 sends one progress line per step t
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -20,9 +19,6 @@ __all__ = [
 
 #: the progress lines of a run: starting the ranks (the launcher), then seven steps on rank 0
 STEP_COUNT = 8
-#: intra-op threads per rank unless OMP_NUM_THREADS is set: a tiny model's ops gain nothing from more, and on a
-#: shared host OpenMP's barriers wait for descheduled threads (docs/performance.md)
-RANK_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -84,6 +80,7 @@ def run_qualify(opts: QualifyOptions, *, nproc: int, default_base: DefaultBase |
     progress line per step, with its time.
     """
     from dsv4_launcher.launch import run_on_ranks
+    from dsv4_lora.qualify_driver import rank_thread_env
     from impl.cli.qualify_rank import preload, qualify_rank
     from impl.conversion.base_dir import inspect_base
 
@@ -103,7 +100,7 @@ def run_qualify(opts: QualifyOptions, *, nproc: int, default_base: DefaultBase |
         timeout_s=opts.timeout_s,
         preload=preloads,
         before_go=lambda: output.step(started, time.perf_counter() - t0),
-        env={} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(RANK_THREADS)},
+        env=rank_thread_env(),
     )
     checks = [Check(**c) for c in payloads[0]["checks"]]
     for p in payloads[1:]:  # other ranks report only what failed locally

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
+import torch  # at import time: a spawned rank that unpickles a preload of this module imports torch with it
 
 from fixtures.runner.multirank import MultiRankFailure, impl_preload, run_ranks
 from fixtures.runner.processes import assert_no_orphans, child_pids
@@ -25,8 +26,6 @@ class Case:
 
 
 def _rank_report_origin(rank: int, world_size: int, case: Case) -> dict:
-    import torch
-
     if case.fate == "killed" and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     if case.fate == "hang" and rank == 1:
@@ -63,6 +62,25 @@ def test_ranks_that_preload_the_implementation_fork_from_one_server_with_the_lau
     assert [r["rank"] for r in reports] == [0, 1, 0, 1]
     for r in reports:  # torch was imported in the server, before this launch chose the ranks' thread count
         assert r["omp"] and r["threads"] == int(r["omp"]), f"rank {r['rank']}: {r['threads']} threads, {r}"
+
+
+def _preload_of_a_module_that_imports_torch() -> None:
+    """A preload named by a function: a spawned rank imports its module (this one, and torch with it) while it
+    unpickles its spec, before the launch's environment is applied, as qualify's preload does."""
+
+
+def test_a_spawned_rank_whose_preload_imported_torch_early_runs_the_launch_thread_count(impl):
+    """torch reads ``OMP_NUM_THREADS`` once, at import: the rank must still get the launch's count, not the host's
+    default (which oversubscribes the cores beside other work)."""
+    want = (os.cpu_count() or 1) + 1  # never torch's default, which is at most the cores
+    preload = (_preload_of_a_module_that_imports_torch,)
+    (report,) = _launch_one(preload, {"OMP_NUM_THREADS": str(want)})
+    assert report["omp"] == str(want) and report["threads"] == want, f"the rank runs {report['threads']} threads"
+
+
+def _launch_one(preload, env) -> list[dict]:
+    assert start_method_for(preload, env, "gloo") == "spawn", "a fresh interpreter, not the fork server"
+    return [r.payload for r in run_ranks(_rank_report_origin, Case(), nproc=1, timeout_s=60, preload=preload, env=env)]
 
 
 @pytest.mark.parametrize("why", ["own-environment", "other-preload", "cold-asked", "environment-changed", "nccl"])
