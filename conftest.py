@@ -103,6 +103,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The processes tests start (the command line, its ranks, the engines' probes) take the suite's thread count
+    # too: with torch's default each oversubscribes a core that another xdist worker is using.
+    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("DSV4_TORCH_THREADS", "1"))
     # Base digests remembered by the suite's thousands of throwaway bases stay out of the user's own cache.
     os.environ.setdefault("DSV4_LORA_CACHE", os.path.join(tempfile.gettempdir(), f"dsv4-lora-test-cache-{os.getuid()}"))
     for name, doc in MARKERS.items():
