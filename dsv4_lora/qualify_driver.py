@@ -240,7 +240,7 @@ def _export_in_dialect(j: _Judging, expected: Any) -> list[Any]:
     """An export in another dialect: its files and marker as written, every key in the requested dialect's form, its
     transformers reading held to the same rules as a transformers export, official MTP tensors to the base's."""
     from dsv4_conformance.judge.artifacts import base_weight_shapes, judge_adapter_dir, marker_missing, unreadable
-    from dsv4_conformance.judge.dialects import mtp_shapes
+    from dsv4_conformance.judge.dialects import mtp_problems
 
     adapter, base = Path(j.run.adapter_dir), Path(j.run.base)
     problems = unreadable(adapter) + marker_missing(adapter, j.marker)
@@ -248,7 +248,7 @@ def _export_in_dialect(j: _Judging, expected: Any) -> list[Any]:
         return problems
     reading = j.reading
     problems = reading.problems + judge_adapter_dir(j.adapter, base, expected=expected)
-    return problems + mtp_shapes(reading.mtp, base_weight_shapes(base), reading.config.get("r"))
+    return problems + mtp_problems(reading.mtp, base_weight_shapes(base), reading.config.get("r"))
 
 
 def _reload(found: dict[str, Any], j: _Judging) -> Check:

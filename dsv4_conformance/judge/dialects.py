@@ -76,7 +76,7 @@ def read_as_transformers(tensors: Mapping[str, Any], config: Mapping[str, Any], 
         elif module is None:
             foreign.append(key)
         else:
-            reading.tensors[f"{PEFT_PREFIX}{module}.{key.rsplit('.', 2)[-2]}.weight"] = value
+            reading.tensors[f"{PEFT_PREFIX}{module}.{_KEY.match(key)['half']}"] = value
             modules.add(module)
             leaves.add(target)
     if foreign:
@@ -95,16 +95,22 @@ def read_as_transformers(tensors: Mapping[str, Any], config: Mapping[str, Any], 
     return reading
 
 
-def mtp_shapes(mtp: Mapping[str, Any], base_shapes: Mapping[str, tuple[int, ...]], r: Any) -> list[Problem]:
-    """The official MTP tensors against the base's weight of the same name (lora_A ``(r, in)``, lora_B ``(out, r)``)."""
-    wrong = []
+def mtp_problems(mtp: Mapping[str, Any], base_shapes: Mapping[str, tuple[int, ...]], r: Any) -> list[Problem]:
+    """The official MTP tensors, which transformers' reading cannot hold: each the shape the base's weight of the
+    same name needs (lora_A ``(r, in)``, lora_B ``(out, r)``), and finite."""
+    import torch
+
+    problems = []
     for key, tensor in sorted(mtp.items()):
         module, half = _KEY.match(key).group("module", "half")
         weight = base_shapes.get(f"{module}.weight")
         want = None if weight is None else ((r, weight[1]) if half.startswith("lora_A") else (weight[0], r))
         if tuple(tensor.shape) != want:
-            wrong.append(f"{key}: {tuple(tensor.shape)}, the base's {module}.weight {weight} needs {want}")
-    return [Problem("shapes", ADAPTER_FILE, w) for w in wrong]
+            what = f"{tuple(tensor.shape)}, the base's {module}.weight {weight} needs {want}"
+            problems.append(Problem("shapes", key, what))
+        if not (tensor.is_floating_point() and bool(torch.isfinite(tensor).all())):
+            problems.append(Problem("finite", key, "not finite (or not floating point)"))
+    return problems
 
 
 def write_as_transformers(adapter: Path, dialect: str, out: Path) -> Reading:
@@ -121,4 +127,4 @@ def write_as_transformers(adapter: Path, dialect: str, out: Path) -> Reading:
     return reading
 
 
-__all__ = ["Reading", "mtp_shapes", "read_as_transformers", "write_as_transformers"]
+__all__ = ["Reading", "mtp_problems", "read_as_transformers", "write_as_transformers"]

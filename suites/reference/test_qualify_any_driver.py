@@ -348,3 +348,30 @@ def test_target_modules_in_another_dialect_must_name_every_held_leaf_as_a_list(
     asked = replace(run, adapter_dir=str(adapter), dialect="official")
     judged = {c.name: c for c in judge_run([payload], asked, marker=None, oracle=False)}
     assert judged["export"].passed is False and says in judged["export"].figure, judged["export"]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "passes"), [("none", True), ("shape", False), ("nan", False)], ids=["as-trained", "wrong-shape", "nan"]
+)
+def test_an_official_mtp_tensor_is_held_to_the_bases_weight_of_its_name(reference_run, tmp_path, spoil, passes):
+    """transformers has no MTP layer, so an official export's ``mtp.N.attn`` tensors stay out of its transformers
+    reading: each must fit the base's weight of the same name and be finite."""
+    import torch
+    from safetensors import safe_open
+
+    payload, run = reference_run
+    adapter = _in_dialect(run, tmp_path, _official_module, LEAVES)
+    (shard,) = Path(run.base).glob("*.safetensors")
+    with safe_open(str(shard), "pt") as f:
+        out_features, in_features = f.get_slice("mtp.0.attn.wq_a.weight").get_shape()
+    rank = json.loads((adapter / "adapter_config.json").read_text())["r"]
+    lora_a = torch.full((rank, in_features + (spoil == "shape")), float("nan") if spoil == "nan" else 0.01)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    tensors["base_model.model.mtp.0.attn.wq_a.lora_A.weight"] = lora_a
+    tensors["base_model.model.mtp.0.attn.wq_a.lora_B.weight"] = torch.zeros(out_features, rank)
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    asked = replace(run, adapter_dir=str(adapter), dialect="official")
+    export = {c.name: c for c in judge_run([payload], asked, marker=None, oracle=False)}["export"]
+    assert export.passed is passes, export
+    if not passes:
+        assert "mtp.0.attn.wq_a.lora_A" in export.figure, export
