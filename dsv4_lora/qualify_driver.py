@@ -231,8 +231,8 @@ def _export(found: dict[str, Any], j: _Judging) -> Check:
     else:
         problems = _export_in_dialect(j, expected)
     figure = "a PEFT adapter of the requested targets" if not problems else f"{len(problems)} problem(s): {problems[0]}"
-    if run.dialect != "transformers":
-        figure += f" (dialect {run.dialect}, judged as its transformers reading)" if not problems else ""
+    if run.dialect != "transformers" and not problems:
+        figure += f" (dialect {run.dialect}, judged as its transformers reading)"
     return Check("export", not problems, figure, {"problems": [str(p) for p in problems], "dialect": run.dialect})
 
 
