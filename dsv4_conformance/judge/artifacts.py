@@ -86,7 +86,8 @@ def read_header(path: Path) -> dict[str, Any]:
 
 
 def base_weight_shapes(base: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the base by its official name, with its shape, from the safetensors headers."""
+    """Every tensor of the base by its name in the base's layout (official, or transformers'), with its shape, from
+    the safetensors headers."""
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(base.glob("*.safetensors")):
         shapes.update({k: tuple(v["shape"]) for k, v in read_header(f).items() if k != "__metadata__"})
@@ -224,7 +225,10 @@ def _shapes(
 
     wrong = []
     for module, halves in sorted(found.items()):
-        weight = base_shapes.get(transformers_to_official_name(f"{module}.weight"))
+        # a base in the official layout, or in either that transformers' save_pretrained writes
+        official = transformers_to_official_name(f"{module}.weight")
+        names = (official, f"model.{official}", f"{module}.weight")
+        weight = next((base_shapes[n] for n in names if n in base_shapes), None)
         if weight is None or len(weight) != 2:
             wrong.append(f"{module}: the base has no 2-D weight for it")
             continue

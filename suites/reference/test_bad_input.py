@@ -222,6 +222,21 @@ def test_qualify_names_the_damaged_base_file_before_starting_ranks(dsv4, damaged
     assert failed and file in failed[0]["figure"] and says in failed[0]["figure"], f"{case}: {report['checks']}"
 
 
+#: what the judge's read of a base does not check: transformers' config gives every key a default, so a missing key
+#: is the implementation's to name, once its ranks load the base
+IMPLEMENTATION_NAMES = ("base-config-missing-key",)
+
+
+@pytest.mark.parametrize("damaged", [c for c in BASE_CASES if c not in IMPLEMENTATION_NAMES], indirect=True)
+def test_the_judges_read_of_a_base_names_the_damaged_file_first(damaged, request):
+    """What ``qualify`` runs before any rank starts (``dsv4_conformance.judge.base``), on every damaged base."""
+    from dsv4_conformance.judge.base import base_problems
+
+    base, _, file, says = damaged
+    problems = [str(p) for p in base_problems(base)]
+    assert problems and file in problems[0] and says in problems[0], f"{request.node.callspec.id}: {problems}"
+
+
 @SUBPROCESS
 @pytest.mark.parametrize(
     ("args", "says"),
