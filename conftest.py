@@ -27,6 +27,7 @@ pytest_plugins = [
     "fixtures.runner.rank_session",
     "fixtures.data.sparse_checkpoint",
     "fixtures.conformance.plugin",
+    "fixtures.runner.qualify_runs",
 ]
 
 REQUIRED_MARKERS = ("cpu", "gpu", "gpu32", "bench")

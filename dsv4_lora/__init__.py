@@ -2,6 +2,7 @@
 driver (``dsv4_conformance.driver``) and judges it with the conformance judge, so one command qualifies any
 implementation.
 
-Moving in from ``impl/cli`` command by command; here so far: ``qualify --driver MODULE``
-(:mod:`dsv4_lora.qualify_driver`). What is still in ``impl/cli`` calls the reference implementation directly.
+Moving in from ``impl/cli`` command by command; here so far: ``qualify`` (:mod:`dsv4_lora.qualify_driver`), whose
+default driver is the implementation's own (``impl/driver.py``). ``verify-adapter``, ``coverage``, ``export`` and
+``convert-adapter`` are still in ``impl/cli`` and call the reference implementation directly.
 """

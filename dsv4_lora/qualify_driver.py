@@ -31,7 +31,7 @@ from dsv4_conformance.driver import Driver, Layout, LoraSpec, load_driver
 from dsv4_conformance.judge.oracle import fixed_batch
 from dsv4_lora.qualify_driver_rank import STEPS, DriverRun, qualify_driver_rank
 
-__all__ = ["STEP_COUNT", "Check", "DriverRun", "find_driver", "judge_run", "qualify_driver"]
+__all__ = ["STEP_COUNT", "Check", "DefaultBase", "DriverRun", "find_driver", "judge_run", "qualify_driver", "versions"]
 
 #: the progress lines of a run: the ranks' start, each rank step, then the judge
 STEP_COUNT = len(STEPS) + 2
@@ -433,3 +433,39 @@ def driver_run(
     lora = LoraSpec(tuple(targets), rank, alpha)
     layout = Layout(tp, ep, pp, dtype)
     return DriverRun(driver, base, str(Path(out) / "adapter"), layout, lora, steps, seed, dialect=dialect)
+
+
+@dataclass(frozen=True)
+class DefaultBase:
+    """The embedded default base, a deterministic tiny V4 checkpoint: rank 0 writes it while the ranks start up
+    (they import transformers anyway; the launcher then never does)."""
+
+    preset: str
+    seed: int
+    path: str
+
+    def __call__(self) -> None:
+        from dsv4_launcher.launch import launched_world
+
+        world = launched_world()
+        if world is None or world.rank == 0:
+            from tiny_models.oracle import write_checkpoint
+
+            write_checkpoint(self.preset, self.path, seed=self.seed)
+
+
+#: the distributions a report names the versions of
+REPORTED_VERSIONS = ("torch", "megatron-core", "megatron-bridge", "transformers", "peft", "safetensors", "dsv4-lora")
+
+
+def versions() -> dict[str, str]:
+    """The installed version of each of :data:`REPORTED_VERSIONS` ("absent" when not installed)."""
+    import importlib.metadata as md
+
+    out = {}
+    for dist in REPORTED_VERSIONS:
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = "absent"
+    return out

@@ -61,8 +61,6 @@ _PUBLIC_MODULES: tuple[str, ...] = (
     "impl.native.provider",
     "impl.recipe.flash_lora",
     "impl.recipe.memory",
-    "impl.cli.qualify",
-    "impl.cli.qualify_checks",
     "impl.native.schedule",
     "impl.lora.targets",
     "impl.vocabulary",

@@ -7,7 +7,6 @@ out and the loss differentiated). A comparison is held to a :class:`Rule` and co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,10 +200,8 @@ __all__ = [
     "LOGIT_RULE",
     "LOGIT_RULES",
     "Comparison",
-    "PartEffects",
     "Power",
     "Rule",
-    "adapter_effects",
     "base_model",
     "delta_logits",
     "least_effect",
@@ -234,75 +231,3 @@ def least_layer_effect(model: Any, ids: torch.Tensor, rule: Rule | None = None) 
             weight.copy_(saved)
     module = min(effects, key=effects.__getitem__)
     return Power(module, effects[module])
-
-
-@dataclass(frozen=True)
-class PartEffects:
-    """The smallest defects a reload comparison claims to catch, measured per target and per layer: how far the
-    logits move when that part of the adapter is removed, against the comparison's tolerance. A comparison whose
-    tolerance is not below every effect is inconclusive."""
-
-    tolerance: float
-    by_target: dict[str, float]
-    by_layer: dict[int, float]
-
-    @property
-    def smallest(self) -> tuple[str, float]:
-        """The weakest part (``"target wo_a"`` / ``"layer 2"``) and its effect."""
-        parts = [(f"target {t}", e) for t, e in self.by_target.items()]
-        parts += [(f"layer {n}", e) for n, e in self.by_layer.items()]
-        return min(parts, key=lambda p: p[1]) if parts else ("no adapter", 0.0)
-
-    @property
-    def conclusive(self) -> bool:
-        """Every single target and layer moves the logits by more than the tolerance."""
-        return self.smallest[1] > self.tolerance
-
-    def detail(self) -> dict[str, Any]:
-        part, effect = self.smallest
-        return {
-            "effect_by_target": self.by_target,
-            "effect_by_layer": {str(n): e for n, e in self.by_layer.items()},
-            "smallest_effect": effect,
-            "smallest_effect_of": part,
-            "power": effect / self.tolerance if self.tolerance > 0 else None,
-            "conclusive": self.conclusive,
-        }
-
-
-def adapter_effects(
-    peft_model: Any,
-    logits: Callable[[], torch.Tensor],
-    parse: Callable[[str], tuple[int | None, str] | None],
-    rule: Rule,
-    tolerance: float,
-) -> PartEffects:
-    """Per target and per layer, ``rule``'s statistic of (logits with the whole adapter - logits without that part).
-
-    ``peft_model`` is an unmerged PEFT model; ``logits()`` runs it on the evaluation batch; ``parse(module name)``
-    names the (layer, target) a LoRA module adapts, or None. A part is removed by setting its modules' LoRA
-    scaling to zero, the switch PEFT's own forward (and a grouped layer's) multiplies the delta by."""
-    modules: list[tuple[int | None, str, Any]] = []
-    for name, module in peft_model.named_modules():
-        hit = parse(name) if isinstance(getattr(module, "scaling", None), dict) else None
-        if hit is not None:
-            modules.append((*hit, module))
-    full = logits()
-
-    def without(parts: Iterable[Any]) -> float:
-        saved = [(m, dict(m.scaling)) for m in parts]
-        try:
-            for m, _ in saved:
-                m.scaling.update(dict.fromkeys(m.scaling, 0.0))
-            return rule.difference(logits(), full)
-        finally:
-            for m, scaling in saved:
-                m.scaling.update(scaling)
-
-    targets = dict.fromkeys(t for _, t, _ in modules)
-    layers = sorted({n for n, _, _ in modules if n is not None})
-    return PartEffects(
-        tolerance,
-        {t: without(m for _, tt, m in modules if tt == t) for t in targets},
-        {n: without(m for nn, _, m in modules if nn == n) for n in layers},
-    )

@@ -79,18 +79,18 @@ def check_qualify_usage(args: argparse.Namespace) -> None:
     args.target_list = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     if not args.target_list:
         raise UsageError(f"--targets {args.targets!r} names no target; give comma-separated names such as wq_a,wo_b")
-    if args.driver:
-        from dsv4_lora.qualify_driver import find_driver
+    args.driver = args.driver or DEFAULT_DRIVER
+    from dsv4_lora.qualify_driver import find_driver
 
-        try:
-            driver = find_driver(args.driver)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        if args.dialect not in driver.dialects:
-            raise UsageError(
-                f"--dialect {args.dialect}: driver {args.driver} declares the dialects {sorted(driver.dialects)} "
-                "(its `dialects`); choose one of them"
-            )
+    try:
+        driver = find_driver(args.driver)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.dialect not in driver.dialects:
+        raise UsageError(
+            f"--dialect {args.dialect}: driver {args.driver} declares the dialects {sorted(driver.dialects)} "
+            "(its `dialects`); choose one of them"
+        )
     args.ranks = args.nproc or args.tp * args.pp * args.ep
     if args.ranks % (args.tp * args.pp) or args.ranks % (args.ep * args.pp):
         raise UsageError(
@@ -104,42 +104,40 @@ def check_qualify_usage(args: argparse.Namespace) -> None:
             raise UsageError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
 
 
+#: the driver ``qualify`` runs without ``--driver``: this implementation's own (the package this command line is in,
+#: so a mutated copy's command line runs the copy)
+DEFAULT_DRIVER = f"{__package__.partition('.')[0]}.driver"
+#: qualify's options a driver's run takes as they are
+_DRIVER_RUN_OPTIONS = ("targets", "rank", "alpha", "tp", "ep", "pp", "dtype", "steps", "seed", "dialect")
+
+
 def cmd_qualify(args: argparse.Namespace) -> int:
-    from impl.cli.qualify import DefaultBase, run_qualify, versions
-    from impl.cli.qualify_checks import QualifyOptions
+    from dsv4_lora.qualify_driver import Check, DefaultBase, run_options, versions
     from impl.cli.tested import untested_line, untested_versions
 
-    targets, nproc = args.target_list, args.ranks
+    nproc = args.ranks
     out = _output_dir(args.out)
     base, default_base = args.base, None
     if base is None:
         base = str(out / "base")
         default_base = DefaultBase(args.preset, args.seed, base)
         print(f"the embedded default base (deterministic tiny V4, preset {args.preset}) goes to {base}")
-    passed_through = ("rank", "alpha", "tp", "ep", "pp", "dialect", "steps", "seed", "dtype")  # option = field
-    opts = QualifyOptions(
-        base=str(Path(base).resolve()),
-        out=str(out),
-        targets=targets,
-        timeout_s=args.timeout,
-        oracle=not args.no_oracle,
-        **{name: getattr(args, name) for name in passed_through},
+    opts = {name: getattr(args, name) for name in _DRIVER_RUN_OPTIONS}
+    opts.update(targets=args.target_list, base=str(Path(base).resolve()), out=str(out))
+    opts.update(timeout_s=args.timeout, oracle=not args.no_oracle, preset=None if args.base else args.preset)
+    print(
+        f"qualify: base={opts['base']} tp={args.tp} ep={args.ep} pp={args.pp} ranks={nproc} "
+        f"targets={','.join(args.target_list)} driver={args.driver}"
     )
-    print(f"qualify: base={opts.base} tp={opts.tp} ep={opts.ep} pp={opts.pp} ranks={nproc} targets={','.join(targets)}")
     t0 = time.perf_counter()
     try:
-        if args.driver:
-            checks = _qualify_driver(args, opts, nproc, default_base)
-        else:
-            checks = run_qualify(opts, nproc=nproc, default_base=default_base)
+        checks = _qualify_driver(args, opts, nproc, default_base)
         error = None
     except Exception as exc:  # report, don't traceback: the JSON still records what ran
         checks, error = [], f"{type(exc).__name__}: {exc}"
         root = getattr(exc, "root_cause", None)  # a rank failed: its own error, not the launcher's summary
         headline = f"rank {root.rank} {root.summary()}" if root is not None else error.splitlines()[0]
     wall = time.perf_counter() - t0
-    from impl.cli.qualify_checks import Check
-
     if error:
         checks.append(Check("run", False, headline[:300], {"error": error}, 0.0))
     print()
@@ -155,7 +153,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         "ok": ok,
         "driver": args.driver,
         "wall_s": round(wall, 2),
-        "options": {**opts.__dict__, "targets": list(targets), "nproc": nproc, **_driver_options(args)},
+        "options": {**opts, "targets": list(args.target_list), "nproc": nproc, **run_options()},
         "versions": installed,
         "untested_versions": untested_versions(installed),
         "checks": [c.__dict__ for c in checks],
@@ -170,25 +168,20 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def _driver_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The options a driver's run fixes (its step size, its batch), which the direct run's defaults do not give."""
-    if not args.driver:
-        return {}
-    from dsv4_lora.qualify_driver import run_options
+def _qualify_driver(args: argparse.Namespace, opts: dict[str, Any], nproc: int, default_base: Any) -> list[Any]:
+    """The implementation behind the driver, judged by the conformance judge alone (``dsv4_lora``, which reaches no
+    implementation but through its driver). A given base is first read by the judge (config and headers): a damaged
+    one is named before any rank starts."""
+    from dsv4_conformance.judge.base import base_layout, base_problems
+    from dsv4_lora.qualify_driver import STEP_COUNT, Check, driver_run, qualify_driver
 
-    return run_options()
-
-
-#: qualify's options a driver's run takes as they are
-_DRIVER_RUN_OPTIONS = ("targets", "rank", "alpha", "tp", "ep", "pp", "dtype", "steps", "seed", "dialect")
-
-
-def _qualify_driver(args: argparse.Namespace, opts: Any, nproc: int, default_base: Any) -> list[Any]:
-    """``qualify --driver``: the implementation behind the driver, judged by the conformance judge alone
-    (``dsv4_lora``, the command line's own room, which reaches no implementation but through its driver)."""
-    from dsv4_lora.qualify_driver import STEP_COUNT, driver_run, qualify_driver
-
-    run = driver_run(args.driver, opts.base, opts.out, **{k: getattr(opts, k) for k in _DRIVER_RUN_OPTIONS})
+    if default_base is None:
+        problems = base_problems(opts["base"])
+        if problems:
+            said = [str(p) for p in problems]
+            return [Check(problems[0].check, False, "; ".join(said)[:300], {"problems": said})]
+        print(f"base: {base_layout(opts['base'])}")
+    run = driver_run(args.driver, opts["base"], opts["out"], **{k: opts[k] for k in _DRIVER_RUN_OPTIONS})
     output.declare_steps(STEP_COUNT)
     t0 = time.perf_counter()
     started = f"start {nproc} rank{'s' * (nproc > 1)} of driver {args.driver}"
@@ -196,8 +189,8 @@ def _qualify_driver(args: argparse.Namespace, opts: Any, nproc: int, default_bas
         args.driver,
         run,
         nproc=nproc,
-        timeout_s=opts.timeout_s,
-        oracle=opts.oracle,
+        timeout_s=opts["timeout_s"],
+        oracle=opts["oracle"],
         preload=() if default_base is None else (default_base,),
         before_go=lambda: output.step(started, time.perf_counter() - t0),
         step=output.step,
@@ -322,8 +315,8 @@ def build_parser(table: TargetTable = TARGET_TABLE) -> argparse.ArgumentParser:
         "--driver",
         default=None,
         metavar="MODULE",
-        help="qualify the implementation behind this driver module (its DRIVER, dsv4_conformance.driver) through "
-        "the driver alone, judged by the conformance judge (default: the reference implementation, directly)",
+        help="qualify the implementation behind this driver module (its DRIVER, dsv4_conformance.driver), judged "
+        f"by the conformance judge (default: this implementation's own, {DEFAULT_DRIVER})",
     )
     q.add_argument("--timeout", type=_positive(float), default=900.0, help="seconds before every rank is stopped")
     q.add_argument("--out", default="out/qualify", help="output directory (adapter, base, report)")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_conformance.driver import Driver, Layout, LoraSpec
-from implementations.reference import ReferenceDriver, _api, _hf_config, _init_parallel, _official, build_graph
+from impl.driver import ReferenceDriver, _api, _hf_config, _init_parallel, _official, build_graph
 
 
 @dataclass

@@ -319,7 +319,7 @@ class MilesV1Driver(Driver):
     def qualify(self, targets: Sequence[str], config: Mapping[str, Any]) -> list[str]:
         import torch
 
-        from implementations.reference import _init_parallel, _official
+        from impl.driver import _init_parallel, _official
 
         api = load_miles()
         _init_parallel(api, Layout())
@@ -329,7 +329,7 @@ class MilesV1Driver(Driver):
         return [_official(api, name) for name in bridge_selection(lora, walk_names(model))]
 
     def build(self, base: Path, layout: Layout, lora: LoraSpec | None) -> MilesModel:
-        from implementations.reference import _init_parallel, build_graph
+        from impl.driver import _init_parallel, build_graph
 
         api = load_miles()
         _init_parallel(api, layout)
@@ -341,17 +341,17 @@ class MilesV1Driver(Driver):
         return MilesModel(chunks, args, base)
 
     def logits(self, model: MilesModel, input_ids: Any) -> Any:
-        from implementations.reference import ReferenceDriver
+        from impl.driver import ReferenceDriver
 
         return ReferenceDriver().logits(model, input_ids)
 
     def train_step(self, model: MilesModel, input_ids: Any, labels: Any, lr: float) -> float:
-        from implementations.reference import ReferenceDriver
+        from impl.driver import ReferenceDriver
 
         return ReferenceDriver().train_step(model, input_ids, labels, lr)
 
     def adapter_parameters(self, model: MilesModel) -> dict[str, Any]:
-        from implementations.reference import ReferenceDriver
+        from impl.driver import ReferenceDriver
 
         return ReferenceDriver().adapter_parameters(model)
 

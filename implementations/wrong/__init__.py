@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from implementations.reference import ReferenceDriver, _api
+from impl.driver import ReferenceDriver, _api
 
 
 class HandWrittenExport(ReferenceDriver):

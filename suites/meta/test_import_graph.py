@@ -26,7 +26,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("adapter",),
     ("bridge",),
     ("recipe",),
-    ("cli",),
+    ("driver", "cli"),
 )
 UP_REASON = "# up a floor:"
 

@@ -23,19 +23,15 @@ pytestmark = pytest.mark.cpu
 ORACLE_PACKAGES = ("tiny_models", "fixtures", "dsv4_conformance")
 #: (module file relative to the implementation package, imported module, imported name)
 ALLOWED = {
-    ("cli/qualify.py", "tiny_models.oracle", "write_checkpoint"),
     ("cli/main.py", "tiny_models.manifest", "manifest"),
     ("cli/main.py", "tiny_models.presets", "PRESETS"),  # --preset / --manifest names checked before anything runs
     ("cli/main.py", "tiny_models.presets", "flash_config"),
     ("cli/main.py", "tiny_models.presets", "get_preset"),
     ("cli/main.py", "tiny_models.presets", "pro_config"),
-    # qualify compares with the judge's oracle, by the judge's rules, with the judge's measure of their power
-    ("cli/qualify_rank.py", "dsv4_conformance.judge.oracle", "LOGIT_RULES"),
-    ("cli/qualify_rank.py", "dsv4_conformance.judge.oracle", "base_model"),
-    *(
-        ("cli/qualify_adapter.py", "dsv4_conformance.judge.oracle", n)
-        for n in ("LOGIT_RULE", "adapter_effects", "base_model")
-    ),
+    # qualify has the judge read a given base before any rank starts
+    *(("cli/main.py", "dsv4_conformance.judge.base", n) for n in ("base_layout", "base_problems")),
+    # the driver speaks the contract's types (qualify judges through it: dsv4_lora.qualify_driver)
+    *(("driver.py", "dsv4_conformance.driver", n) for n in ("Driver", "Layout", "LoadReport", "LoraSpec")),
     # the engines' rules (facts about the engines, checked against their own code): the exporter fails closed by them
     *(("adapter/consumers.py", "dsv4_conformance.judge.consumers", name) for name in judge_consumers.__all__),
     # verify-adapter reports the conformance judge's verdict and reloads through the judge's oracle

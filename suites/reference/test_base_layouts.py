@@ -126,8 +126,8 @@ def test_verify_adapter_judges_a_stock_peft_adapter_on_a_saved_base(dsv4, bases,
 def test_qualify_trains_exports_and_reloads_on_a_saved_base(dsv4, bases, writer, tmp_path):
     result = dsv4("qualify", "--base", bases[1], "--out", tmp_path / "q", timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
-    assert f"{writer[1]} layout (save_pretrained), no MTP" in result.stdout, result.stdout[-3000:]
-    assert "strict_load  PASS    loaded 162" in result.stdout, result.stdout[-3000:]
+    assert f"base: {writer[1]} layout (save_pretrained), no MTP" in result.stdout, result.stdout[-3000:]
+    assert "load         PASS    162 tensors placed" in result.stdout, result.stdout[-3000:]
 
 
 def test_a_tensor_of_no_v4_module_in_a_saved_base_is_named(dsv4, bases, writer, tmp_path):

@@ -15,11 +15,13 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dsv4_lora.qualify_driver import judge_run
+from fixtures.runner.qualify_runs import GROUP as QUALIFY_GROUP
 from fixtures.runner.subproc import cli_runner, run
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("qualify-driver")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group(QUALIFY_GROUP)]
 
-REFERENCE = "implementations.reference"
+#: the implementation's own driver, which ``qualify`` runs without ``--driver`` (its runs are shared with test_cli)
+REFERENCE = None
 #: the checks of a driver's qualify, in the order the command prints them
 CHECKS = ["detect", "targets", "load", "base_logits", "train", "export", "reload"]
 
@@ -30,18 +32,13 @@ def dsv4(impl):
 
 
 @pytest.fixture(scope="session")
-def through_driver(tmp_path_factory, dsv4):
-    """``qualify --driver DRIVER [OPTION ...]`` once per driver, options and worker: (exit status, printed output,
-    JSON report, out)."""
-    runs: dict[tuple[str, ...], tuple[int, str, dict, Path]] = {}
+def through_driver(qualify_runs):
+    """``qualify [--driver DRIVER] [OPTION ...]`` once per driver, options and worker (``REFERENCE``: no
+    ``--driver``): (exit status, printed output, JSON report, out)."""
 
-    def run(driver: str, *options: str) -> tuple[int, str, dict, Path]:
-        if (driver, *options) not in runs:
-            out = tmp_path_factory.mktemp("qualify-driver")
-            done = dsv4("qualify", "--driver", driver, *options, "--out", out, timeout=600)
-            report = json.loads((out / "qualify.json").read_text())
-            runs[driver, *options] = (done.returncode, done.stdout + done.stderr, report, out)
-        return runs[driver, *options]
+    def run(driver: str | None, *options: str) -> tuple[int, str, dict, Path]:
+        done = qualify_runs(*(("--driver", driver) if driver else ()), *options)
+        return done.status, done.printed, done.report, done.out
 
     return run
 
@@ -50,11 +47,11 @@ def _checks(report: dict) -> dict[str, dict]:
     return {c["name"]: c for c in report["checks"]}
 
 
-def test_the_reference_through_its_driver_passes_every_judged_check(through_driver):
+def test_the_reference_through_its_driver_passes_every_judged_check(impl, through_driver):
     status, printed, report, out = through_driver(REFERENCE)
     checks = _checks(report)
     assert status == 0 and report["ok"] is True, printed[-4000:]
-    assert report["driver"] == REFERENCE
+    assert report["driver"] == f"{impl.name}.driver"
     assert list(checks) == CHECKS
     assert all(c["passed"] is True for c in checks.values()), checks
     for name in ("base_logits", "reload"):  # each comparison held below the least defect it claims to see
@@ -136,7 +133,7 @@ def test_a_driver_module_that_cannot_be_imported_is_refused_naming_it_and_what_t
 
 
 @pytest.fixture(scope="module")
-def reference_run(through_driver):
+def reference_run(impl, through_driver):
     """The reference's passing run, rebuilt as the ranks' payload: (payload, DriverRun), to be spoiled one way."""
     from dsv4_conformance.judge.oracle import fixed_batch, peft_logits
     from dsv4_lora.qualify_driver import driver_run
@@ -144,7 +141,7 @@ def reference_run(through_driver):
     _, _, report, out = through_driver(REFERENCE)
     checks = _checks(report)
     run = driver_run(
-        REFERENCE, str(out / "base"), str(out), **{k: report["options"][k] for k in ("targets", "rank", "alpha")}
+        report["driver"], str(out / "base"), str(out), **{k: report["options"][k] for k in ("targets", "rank", "alpha")}
     )
 
     ids, _ = fixed_batch(run.base, run.seed)

@@ -1,15 +1,15 @@
 """qualify's steps before the files are written (the adapter's gather, the base's fingerprint) are part of the
 collective export: one rank failing there is reported by every rank, within the timeout, and nothing is published.
 
-Each rank of a two-rank gloo world calls the public ``run_qualify`` in-process (the launcher runs ``fn`` on the
-world it finds), with one public function made to fail on one rank (``fixtures.ranks.faults.fail_on_rank``): the fault
-sits where qualify really calls it, not behind a test switch.
+Each rank of a two-rank gloo world runs qualify's own rank function (``dsv4_lora.qualify_driver_rank``, through the
+implementation's driver) in-process, with one public function made to fail on one rank
+(``fixtures.ranks.faults.fail_on_rank``): the fault sits where qualify really calls it, not behind a test switch.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -38,17 +38,18 @@ CASES = ((1, "gather_adapter_state"), (0, "gather_adapter_state"), (0, "base_fin
 
 
 def _rank_qualify_with_fault(rank: int, world_size: int, case: FaultCase) -> dict:
+    from dsv4_conformance.driver import Layout, LoraSpec
+    from dsv4_lora.qualify_driver_rank import DriverRun, qualify_driver_rank
+
     api = load_impl(case.impl_name)
     getattr(api.module, case.function)  # resolve the lazy name so the patch replaces the attribute itself
-    opts = api.QualifyOptions(base=case.base, out=case.out, timeout_s=QUALIFY_TIMEOUT_S)
+    lora = LoraSpec(("wq_a", "wo_b"), 4, 8.0)
+    run = DriverRun(f"{case.impl_name}.driver", case.base, case.out + "/adapter", Layout(), lora, steps=1)
+    run = replace(run, timeout_s=QUALIFY_TIMEOUT_S)
     start = time.monotonic()
-    try:
-        with fail_on_rank(case.fail_rank, api.module, case.function):
-            api.run_qualify(opts, nproc=world_size)
-        error = None
-    except Exception as exc:  # every rank must raise; the test compares what each one says
-        error = f"{type(exc).__name__}: {exc}"
-    return {"error": error, "elapsed": time.monotonic() - start}
+    with fail_on_rank(case.fail_rank, api.module, case.function):
+        found = qualify_driver_rank(rank, world_size, run)
+    return {"error": found["errors"].get("export"), "elapsed": time.monotonic() - start}
 
 
 @pytest.mark.parametrize("fail_rank,function", CASES, ids=[f"{f}-on-rank{r}" for r, f in CASES])
@@ -63,7 +64,7 @@ def test_a_failure_before_the_files_are_written_is_every_ranks_error_and_publish
     injected = f"rank {fail_rank}: {InjectedFault.__name__}: injected fault on rank {fail_rank}"
     for rank, r in enumerate(results):
         error, elapsed = r.payload["error"], r.payload["elapsed"]
-        assert error is not None, f"rank {rank}: qualify returned although rank {fail_rank}'s {function} failed"
+        assert error is not None, f"rank {rank}: qualify's export passed although rank {fail_rank}'s {function} failed"
         assert "CollectiveExportError" in error and injected in error, f"rank {rank} does not name the cause: {error}"
         assert elapsed < QUALIFY_TIMEOUT_S, f"rank {rank} took {elapsed:.0f}s: it waited for a peer that had failed"
     leftovers = sorted(p.name for p in out.iterdir()) if out.exists() else []

@@ -164,5 +164,4 @@ def test_cli_default_recipe_and_qualify_targets_are_the_tables_main_targets(impl
     assert impl.build_parser().parse_args(["qualify"]).targets.split(",") == main
     assert impl.build_parser(table).parse_args(["qualify"]).targets.split(",") == [*main, "wx"]
     assert list(impl.deepseek_v4_flash_lora_recipe().targets) == main
-    assert list(impl.QualifyOptions(base="b", out="o").targets) == main
     assert list(impl.MAIN_ATTENTION_TARGETS) == main
