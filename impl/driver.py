@@ -67,7 +67,13 @@ def _official(api: Any, native_module: str) -> str:
 def _positions(ids: Any) -> Any:
     import torch
 
-    return torch.arange(ids.shape[1]).unsqueeze(0)
+    return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+
+
+def _on_model(chunk: Any, *tensors: Any) -> tuple[Any, ...]:
+    """The contract's CPU tensors on the device the model's weights are on (a GPU host builds on CUDA)."""
+    device = next(chunk.parameters()).device
+    return tuple(t.to(device) for t in tensors)
 
 
 def build_graph(
@@ -140,6 +146,7 @@ class ReferenceDriver(Driver):
 
         (chunk,) = model.chunks
         chunk.eval()
+        (input_ids,) = _on_model(chunk, input_ids)
         with torch.no_grad():
             return _api().ManualPipeline(chunk).run(input_ids, _positions(input_ids)).float()
 
@@ -148,6 +155,7 @@ class ReferenceDriver(Driver):
 
         params = list(self.adapter_parameters(model).values())
         optimizer = torch.optim.SGD(params, lr=lr)
+        input_ids, labels = _on_model(model.chunks[0], input_ids, labels)
         return _api().adapter_train_step(
             model.chunks, input_ids, optimizer, labels=labels, position_ids=_positions(input_ids)
         )
