@@ -367,6 +367,18 @@ def find_driver(module: str) -> Driver:
         raise ValueError(f"--driver {module}: {exc}") from None
 
 
+@dataclass(frozen=True)
+class WarmDriver:
+    """A rank's start-up: the driver's :meth:`~dsv4_conformance.driver.Driver.warm` imports what its build needs, so
+    the step times are the steps' own, and an implementation that cannot even import fails the run in one line (the
+    launcher names the rank and its error) instead of every step."""
+
+    module: str
+
+    def __call__(self) -> None:
+        load_driver(self.module).warm()
+
+
 def qualify_driver(
     driver: str,
     run: DriverRun,
@@ -390,7 +402,7 @@ def qualify_driver(
             run,
             nproc=nproc,
             timeout_s=timeout_s,
-            preload=preload,
+            preload=(WarmDriver(driver), *preload),
             before_go=before_go,
             env=rank_thread_env(),
         )
